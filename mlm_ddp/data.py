@@ -1,0 +1,303 @@
+"""Text -> tokens -> packed blocks -> per-rank batches. Knows nothing about the model.
+
+Packing follows run_mlm's `group_texts`: every text is tokenized as `[CLS] text [SEP]`, the texts of
+one tokenization batch are concatenated and cut into blocks of exactly `max_seq_length` tokens. The
+remainder of each tokenization batch is kept as one shorter block (padded when batched), never
+dropped; `PackStats` counts it.
+
+Sharding (map-style): one seeded permutation per epoch, cut into global batches of
+`per_device_batch x world_size` blocks; rank r takes the r-th slice of every global batch. The last
+global batch is filled up with the first blocks of the permutation (counted in `padding`), so every
+rank runs the same number of steps and the composition of each global batch, hence the loss curve,
+does not depend on how many processes share it. Streams are split with
+`datasets.distributed.split_dataset_by_node`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow.compute as pc
+import torch
+from datasets import Dataset, DatasetDict, IterableDataset, IterableDatasetDict, load_dataset
+from datasets.distributed import split_dataset_by_node
+from torch.utils.data import DataLoader, Sampler
+
+from mlm_ddp.config import ConfigError, DataConfig
+
+SUFFIX_BUILDERS = {".txt": "text", ".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
+EMBEDDED_CORPUS = "python-docs"
+STREAM_EVAL_TEXTS = 1000  # texts held out from a stream without a validation file
+AnyDataset = Dataset | IterableDataset
+
+
+def embedded_corpus() -> list[str]:
+    """The offline default corpus: Python's own reference documentation, one text per topic.
+
+    It ships inside every CPython (pydoc_data.topics, ~465k characters, ~128k BERT tokens in 3.11):
+    real English prose about a subject every user knows, present without any download.
+    """
+    from pydoc_data.topics import topics
+
+    return [topics[key].strip() for key in sorted(topics)]
+
+
+def _builder_for(path_str: str, flag: str) -> str:
+    path = Path(path_str)
+    suffix = path.suffix.lower()
+    if suffix not in SUFFIX_BUILDERS:
+        raise ConfigError(
+            f"{flag} {path}: unknown file extension {suffix or '(none)'!r}; use one of "
+            f"{', '.join(sorted(SUFFIX_BUILDERS))}"
+        )
+    if not path.is_file():
+        raise ConfigError(f"{flag} {path}: no such file")
+    if path.stat().st_size == 0:
+        raise ConfigError(f"{flag} {path}: the file is empty")
+    return SUFFIX_BUILDERS[suffix]
+
+
+def _check_columns(columns: list[str] | None, text_column: str, source: str) -> None:
+    if columns is not None and text_column not in columns:
+        raise ConfigError(
+            f"{source}: no text column {text_column!r}; columns found: {', '.join(columns)}. "
+            "Pass --text_column with one of them."
+        )
+
+
+def _first_columns(ds: IterableDataset, source: str) -> list[str]:
+    """A stream's columns, read from its first example (which also proves it is not empty)."""
+    try:
+        first = next(iter(ds))
+    except StopIteration:
+        raise ConfigError(f"{source}: holds no texts") from None
+    return list(first)
+
+
+def load_text(cfg: DataConfig, seed: int) -> tuple[AnyDataset, AnyDataset | None]:
+    """(train, eval) raw text datasets, each with the text in `cfg.text_column`.
+
+    eval is None only when there is no validation set and validation_split_percentage is 0.
+    """
+    if cfg.train_file is None and cfg.dataset_name is None:
+        texts = [t for t in embedded_corpus() if t]
+        raw: Any = Dataset.from_dict({cfg.text_column: texts})
+        if cfg.streaming:
+            raw = raw.to_iterable_dataset(num_shards=8)
+        splits = {"train": raw}
+        source = f"embedded corpus {EMBEDDED_CORPUS!r}"
+    elif cfg.train_file is not None:
+        data_files = {"train": cfg.train_file}
+        builder = _builder_for(cfg.train_file, "--train_file")
+        if cfg.validation_file is not None:
+            if _builder_for(cfg.validation_file, "--validation_file") != builder:
+                raise ConfigError("--train_file and --validation_file must have the same format")
+            data_files["validation"] = cfg.validation_file
+        splits = _load(builder, None, data_files, cfg.streaming, f"--train_file {cfg.train_file}")
+        source = cfg.train_file
+    else:
+        splits = _load(cfg.dataset_name, cfg.dataset_config_name, None, cfg.streaming,
+                       f"--dataset_name {cfg.dataset_name}")
+        source = f"dataset {cfg.dataset_name!r}"
+        if "train" not in splits:
+            raise ConfigError(f"{source} has no 'train' split; splits found: {', '.join(splits)}")
+        if cfg.validation_file is not None:
+            raise ConfigError("--validation_file goes with --train_file, not with --dataset_name")
+
+    train = splits["train"]
+    evaluation = splits.get("validation")
+    for name, ds in (("train", train), ("validation", evaluation)):
+        if ds is None:
+            continue
+        where = f"{source} ({name})" if name != "train" or evaluation is None else source
+        if name == "validation" and cfg.validation_file is not None:
+            where = cfg.validation_file
+        if isinstance(ds, IterableDataset):
+            _check_columns(_first_columns(ds, where), cfg.text_column, where)
+        else:
+            _check_columns(ds.column_names, cfg.text_column, where)
+            if len(ds) == 0:
+                raise ConfigError(f"{where}: holds no texts")
+
+    if evaluation is None and cfg.validation_split_percentage > 0:
+        if isinstance(train, IterableDataset):
+            n_eval = cfg.max_eval_samples or STREAM_EVAL_TEXTS
+            train, evaluation = train.skip(n_eval), train.take(n_eval)
+        else:
+            if len(train) < 2:
+                raise ConfigError(f"{source}: needs at least 2 texts to hold some out for evaluation")
+            parts = train.train_test_split(
+                test_size=cfg.validation_split_percentage / 100.0, shuffle=True, seed=seed
+            )
+            train, evaluation = parts["train"], parts["test"]
+    if cfg.max_train_samples is not None:
+        train = _limit(train, cfg.max_train_samples)
+    if evaluation is not None and cfg.max_eval_samples is not None:
+        evaluation = _limit(evaluation, cfg.max_eval_samples)
+    return train, evaluation
+
+
+def _limit(ds: AnyDataset, n: int) -> AnyDataset:
+    if isinstance(ds, IterableDataset):
+        return ds.take(n)
+    return ds.select(range(min(n, len(ds))))
+
+
+def _load(path: str, name: str | None, data_files: dict | None, streaming: bool, flag: str) -> dict:
+    try:
+        loaded = load_dataset(path, name, data_files=data_files, streaming=streaming)
+    except (FileNotFoundError, ConnectionError, ValueError, OSError) as err:
+        raise ConfigError(
+            f"{flag}: could not be loaded ({type(err).__name__}: {err}). A Hub name needs network "
+            "access (unset HF_HUB_OFFLINE); a local file needs a readable path."
+        ) from err
+    if not isinstance(loaded, (DatasetDict, IterableDatasetDict)):
+        raise ConfigError(f"{flag}: expected named splits, got {type(loaded).__name__}")
+    return dict(loaded)
+
+
+def tokenize_and_pack(
+    texts: list[Any], tokenizer: Any, block_size: int, with_word_continues: bool = False
+) -> dict[str, list[list[int]]]:
+    """Pure: a batch of texts -> packed blocks `input_ids` (and `word_continues` for whole-word masking).
+
+    Texts that are empty or not strings are skipped. Every block is block_size tokens except the
+    last one, which holds the remainder.
+    """
+    kept = [t for t in texts if isinstance(t, str) and t.strip()]
+    if not kept:
+        return {"input_ids": [], **({"word_continues": []} if with_word_continues else {})}
+    encoded = tokenizer(kept, add_special_tokens=True, verbose=False)
+    ids: list[int] = []
+    continues: list[int] = []
+    for i, row in enumerate(encoded["input_ids"]):
+        ids.extend(row)
+        if with_word_continues:
+            words = encoded.word_ids(i)
+            continues.extend(
+                int(w is not None and j > 0 and words[j - 1] == w) for j, w in enumerate(words)
+            )
+    starts = range(0, len(ids), block_size)
+    out = {"input_ids": [ids[s : s + block_size] for s in starts]}
+    if with_word_continues:
+        out["word_continues"] = [continues[s : s + block_size] for s in starts]
+    return out
+
+
+@dataclass(frozen=True)
+class PackStats:
+    """What packing made of a map-style split."""
+
+    blocks: int
+    tokens: int
+    short_blocks: int  # remainders of tokenization batches, padded at batching time
+    block_size: int
+
+    @property
+    def pad_fraction(self) -> float:
+        """Share of the block slots that are padding."""
+        return 1.0 - self.tokens / (self.blocks * self.block_size) if self.blocks else 0.0
+
+
+def tokenize_dataset(
+    raw: AnyDataset, tokenizer: Any, cfg: DataConfig, shuffle_seed: int | None = None
+) -> AnyDataset:
+    """Tokenize and pack lazily (streams) or once, cached by `datasets` (map-style)."""
+    columns = raw.column_names if raw.column_names is not None else _first_columns(raw, "stream")
+    kwargs: dict[str, Any] = dict(
+        batched=True,
+        batch_size=1000,
+        remove_columns=columns,
+        input_columns=[cfg.text_column],
+        fn_kwargs={
+            "tokenizer": tokenizer,
+            "block_size": cfg.max_seq_length,
+            "with_word_continues": cfg.whole_word_mask,
+        },
+    )
+    if isinstance(raw, IterableDataset):
+        if shuffle_seed is not None:
+            raw = raw.shuffle(seed=shuffle_seed, buffer_size=cfg.shuffle_buffer_size)
+        return raw.map(tokenize_and_pack, **kwargs)
+    return raw.map(
+        tokenize_and_pack, num_proc=cfg.preprocessing_num_workers, desc="Tokenizing and packing", **kwargs
+    )
+
+
+def pack_stats(ds: Dataset, block_size: int) -> PackStats:
+    lengths = pc.list_value_length(ds.data.column("input_ids"))
+    tokens = int(pc.sum(lengths).as_py() or 0)
+    short = int(pc.sum(pc.less(lengths, block_size)).as_py() or 0)
+    return PackStats(blocks=len(ds), tokens=tokens, short_blocks=short, block_size=block_size)
+
+
+class EpochBatchSampler(Sampler[list[int]]):
+    """This rank's batches of one epoch of a map-style dataset (see the module docstring).
+
+    Pure in (num_samples, batch_size, rank, world_size, seed, epoch): the same arguments give the
+    same batches; `set_epoch(epoch, start_batch)` picks the epoch and where to resume inside it.
+    """
+
+    def __init__(self, num_samples: int, batch_size: int, rank: int, world_size: int,
+                 seed: int, shuffle: bool = True) -> None:
+        if num_samples < 1:
+            raise ConfigError("the training data packs into zero blocks: give it more text")
+        self.num_samples, self.batch_size = num_samples, batch_size
+        self.rank, self.world_size = rank, world_size
+        self.seed, self.shuffle = seed, shuffle
+        self.epoch, self.start_batch = 0, 0
+        self.global_batch = batch_size * world_size
+        self.batches_per_epoch = math.ceil(num_samples / self.global_batch)
+        # blocks repeated to fill the last global batch, every epoch
+        self.padding = self.batches_per_epoch * self.global_batch - num_samples
+
+    def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
+        self.epoch, self.start_batch = epoch, start_batch
+
+    def global_order(self) -> np.ndarray:
+        if self.shuffle:
+            order = np.random.default_rng([self.seed, self.epoch]).permutation(self.num_samples)
+        else:
+            order = np.arange(self.num_samples)
+        return np.resize(order, self.batches_per_epoch * self.global_batch)  # wraps to fill
+
+    def __iter__(self) -> Iterator[list[int]]:
+        order = self.global_order().reshape(self.batches_per_epoch, self.world_size, self.batch_size)
+        for step in range(self.start_batch, self.batches_per_epoch):
+            yield order[step, self.rank].tolist()
+
+    def __len__(self) -> int:
+        return self.batches_per_epoch - self.start_batch
+
+
+def shard_stream(ds: IterableDataset, rank: int, world_size: int) -> IterableDataset:
+    """This rank's part of a stream (whole shards when there are enough, else every n-th example)."""
+    return ds if world_size == 1 else split_dataset_by_node(ds, rank=rank, world_size=world_size)
+
+
+def train_loader(ds: AnyDataset, collator: Any, batch_size: int, rank: int, world_size: int,
+                 seed: int, num_workers: int) -> DataLoader:
+    if isinstance(ds, IterableDataset):
+        return DataLoader(shard_stream(ds, rank, world_size), batch_size=batch_size,
+                          collate_fn=collator, num_workers=num_workers)
+    sampler = EpochBatchSampler(len(ds), batch_size, rank, world_size, seed)
+    return DataLoader(ds, batch_sampler=sampler, collate_fn=collator, num_workers=num_workers)
+
+
+def eval_loader(ds: AnyDataset, collator: Any, batch_size: int, rank: int, world_size: int,
+                num_workers: int) -> DataLoader:
+    """Each rank reads a disjoint part of the eval set; nothing is padded or repeated."""
+    if isinstance(ds, IterableDataset):
+        ds = shard_stream(ds, rank, world_size)
+    elif world_size > 1:
+        ds = ds.shard(num_shards=world_size, index=rank, contiguous=True)
+    return DataLoader(ds, batch_size=batch_size, collate_fn=collator, num_workers=num_workers)
+
+
+def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}

@@ -1,0 +1,115 @@
+"""BERT masking (80/10/10, optional whole-word), seeded per sample.
+
+A sample's mask depends only on (seed, split, epoch, the sample's tokens): not on the batch it lands
+in, the rank that reads it or the number of processes. So 1 process x batch 2B and 2 processes x B
+see identical masks, and a resumed run sees the masks the uninterrupted one would have.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+IGNORE_INDEX = -100  # label of positions that carry no loss (torch cross_entropy's ignore_index)
+TRAIN_SPLIT, EVAL_SPLIT = 0, 1
+
+
+def sample_rng(seed: int, split: int, epoch: int, token_ids: np.ndarray) -> np.random.Generator:
+    """A generator keyed by the sample's content, so its mask is the same wherever it is read."""
+    digest = hashlib.blake2b(np.ascontiguousarray(token_ids, dtype=np.int64).tobytes(), digest_size=8)
+    return np.random.default_rng([seed, split, epoch, int.from_bytes(digest.digest(), "little")])
+
+
+def mask_sample(
+    token_ids: np.ndarray,
+    maskable: np.ndarray,
+    rng: np.random.Generator,
+    mask_token_id: int,
+    replacement_ids: np.ndarray,
+    mlm_probability: float,
+    word_continues: np.ndarray | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Mask one sample: returns (inputs, labels), both shaped like token_ids (T,).
+
+    Each maskable token (or, with word_continues, each word) is selected with mlm_probability;
+    a selected token becomes [MASK] with p=0.8, a random non-special token with p=0.1, and stays
+    itself with p=0.1. Labels hold the original id at selected positions and IGNORE_INDEX elsewhere.
+    word_continues[t] is true where token t continues the word of token t-1.
+    """
+    n = token_ids.shape[0]
+    if word_continues is None:
+        selected = (rng.random(n) < mlm_probability) & maskable
+    else:
+        # a word starts at every maskable token that does not continue a maskable predecessor
+        prev_maskable = np.concatenate([[False], maskable[:-1]])
+        starts = maskable & ~(word_continues.astype(bool) & prev_maskable)
+        word_index = np.cumsum(starts) - 1  # (T,) index of the word each token belongs to
+        chosen_words = rng.random(max(int(starts.sum()), 1)) < mlm_probability
+        selected = maskable & chosen_words[np.clip(word_index, 0, None)]
+    action = rng.random(n)
+    random_ids = replacement_ids[rng.integers(0, replacement_ids.shape[0], n)]
+    inputs = token_ids.copy()
+    to_mask = selected & (action < 0.8)
+    to_random = selected & (action >= 0.8) & (action < 0.9)
+    inputs[to_mask] = mask_token_id
+    inputs[to_random] = random_ids[to_random]
+    labels = np.where(selected, token_ids, IGNORE_INDEX)
+    return inputs, labels
+
+
+@dataclass
+class MaskingCollator:
+    """Pads packed blocks into a batch and masks them; `set_epoch` before iterating each epoch.
+
+    Produces input_ids, attention_mask, labels (B, T) with T the longest block of the batch (every
+    block is max_seq_length long except the last block of a tokenization batch).
+    """
+
+    mask_token_id: int
+    pad_token_id: int
+    special_ids: Sequence[int]
+    vocab_size: int
+    mlm_probability: float = 0.15
+    whole_word_mask: bool = False
+    seed: int = 42
+    split: int = TRAIN_SPLIT
+    epoch: int = 0
+    _replacement_ids: np.ndarray = field(init=False, repr=False)
+    _special: np.ndarray = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._special = np.asarray(sorted(set(self.special_ids)), dtype=np.int64)
+        self._replacement_ids = np.setdiff1d(np.arange(self.vocab_size, dtype=np.int64), self._special)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __call__(self, examples: list[dict]) -> dict[str, torch.Tensor]:
+        width = max(len(e["input_ids"]) for e in examples)
+        batch = len(examples)
+        input_ids = np.full((batch, width), self.pad_token_id, dtype=np.int64)
+        labels = np.full((batch, width), IGNORE_INDEX, dtype=np.int64)
+        attention = np.zeros((batch, width), dtype=np.int64)
+        for row, example in enumerate(examples):
+            ids = np.asarray(example["input_ids"], dtype=np.int64)
+            n = ids.shape[0]
+            continues = None
+            if self.whole_word_mask:
+                if "word_continues" not in example:
+                    raise ValueError("whole-word masking needs the 'word_continues' column of data.tokenize_and_pack")
+                continues = np.asarray(example["word_continues"], dtype=bool)
+            rng = sample_rng(self.seed, self.split, self.epoch, ids)
+            maskable = ~np.isin(ids, self._special)
+            input_ids[row, :n], labels[row, :n] = mask_sample(
+                ids, maskable, rng, self.mask_token_id, self._replacement_ids, self.mlm_probability, continues
+            )
+            attention[row, :n] = 1
+        return {
+            "input_ids": torch.from_numpy(input_ids),
+            "attention_mask": torch.from_numpy(attention),
+            "labels": torch.from_numpy(labels),
+        }

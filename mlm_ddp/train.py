@@ -1,0 +1,444 @@
+"""`train(cfg)`: masked-LM fine-tuning on Accelerate; `accelerate launch -m mlm_ddp.train [flags]`.
+
+Reads top to bottom: check every input before writing anything, build data and model, then the loop
+in the shape of accelerate's complete_nlp_example (prepare, accumulate, clip, step), with evaluation,
+checkpoints and metrics in helpers beside it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import math
+import shutil
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import evaluate
+import torch
+from accelerate import Accelerator
+from accelerate.logging import get_logger
+from accelerate.utils import GradientAccumulationPlugin, set_seed
+from datasets import IterableDataset
+from torch.utils.data import DataLoader
+from tqdm.auto import tqdm
+from transformers import get_scheduler
+
+from mlm_ddp import checkpoint as ckpt
+from mlm_ddp import data as mdata
+from mlm_ddp.config import Config, ConfigError, parse_args
+from mlm_ddp.masking import EVAL_SPLIT, IGNORE_INDEX, TRAIN_SPLIT, MaskingCollator
+from mlm_ddp.model import load_model, load_model_config, load_tokenizer, max_positions, mlm_loss_sums
+
+logger = get_logger(__name__)
+METRIC_MODULE = str(Path(__file__).parent / "metrics" / "masked_lm")
+RUN_OUTPUTS = ("config.yaml", "metrics.jsonl", "summary.json", "final", "checkpoints", "logs")
+KNOWN_TRACKERS = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
+
+
+@dataclass
+class TrainResult:
+    """What a finished run did; also written to output_dir/summary.json."""
+
+    steps: int
+    tokens_seen: int
+    wall_time_s: float
+    tokens_per_s: float
+    eval_before: dict[str, float] | None
+    eval_after: dict[str, float] | None
+    output_dir: str
+    final_dir: str
+
+
+# ---------------------------------------------------------------------------------------------
+# Checks that run before anything is written
+# ---------------------------------------------------------------------------------------------
+
+
+def check_output_dir(cfg: Config) -> Path | None:
+    """Refuse to clobber an earlier run unasked; returns the checkpoint to resume from, if any."""
+    out = Path(cfg.run.output_dir)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--output_dir {out} exists and is not a folder")
+    if cfg.run.resume_from_checkpoint is not None:
+        if cfg.run.overwrite_output_dir:
+            raise ConfigError("--resume_from_checkpoint and --overwrite_output_dir contradict each other")
+        return ckpt.resolve_resume(cfg.run.resume_from_checkpoint, out)
+    earlier = [name for name in RUN_OUTPUTS if (out / name).exists()]
+    if earlier and not cfg.run.overwrite_output_dir:
+        if (out / "summary.json").exists() or (out / "final").exists():
+            raise ConfigError(
+                f"--output_dir {out} already holds a finished run; pass --overwrite_output_dir to "
+                "replace it, or choose another --output_dir"
+            )
+        done = ckpt.complete_checkpoints(out)
+        hint = (f"pass --resume_from_checkpoint latest to continue from {done[-1].name}, or "
+                if done else "pass ")
+        raise ConfigError(
+            f"--output_dir {out} already holds an unfinished run ({', '.join(earlier)}); "
+            f"{hint}--overwrite_output_dir to start over"
+        )
+    return None
+
+
+def check_trackers(cfg: Config) -> list[str]:
+    if not cfg.run.with_tracking:
+        return []
+    names = list(KNOWN_TRACKERS) if cfg.run.report_to == "all" else cfg.run.report_to.split(",")
+    chosen = []
+    for name in (n.strip() for n in names):
+        if name not in KNOWN_TRACKERS:
+            raise ConfigError(f"--report_to {name!r}: unknown tracker; use {', '.join(KNOWN_TRACKERS)} or all")
+        if importlib.util.find_spec(KNOWN_TRACKERS[name]) is None:
+            if cfg.run.report_to == "all":
+                continue
+            raise ConfigError(f"--report_to {name}: the package {name!r} is not installed (pip install {name})")
+        chosen.append(name)
+    return chosen
+
+
+# ---------------------------------------------------------------------------------------------
+# Helpers beside the loop: data positions, evaluation, metrics, checkpoints
+# ---------------------------------------------------------------------------------------------
+
+
+def micro_batches(
+    loader: DataLoader, collator: MaskingCollator, epoch: int, start: int
+) -> Iterator[tuple[int, int, bool, dict[str, torch.Tensor]]]:
+    """(epoch, index in epoch, last of its epoch?, batch) across epochs, from (epoch, start) on.
+
+    A map-style loader resumes by index (nothing is read twice); a stream re-reads `start` batches.
+    """
+    stream = isinstance(loader.dataset, IterableDataset)
+    while True:
+        collator.set_epoch(epoch)
+        if stream:
+            loader.dataset.set_epoch(epoch)  # reseeds the shuffle buffer
+        else:
+            loader.batch_sampler.set_epoch(epoch, start)
+        it = iter(loader)
+        if stream:
+            for _ in range(start):
+                next(it)
+        index, upcoming = start, next(it, None)
+        if upcoming is None:
+            raise RuntimeError(f"epoch {epoch} of the training data yields no batch on this rank")
+        while upcoming is not None:
+            current, upcoming = upcoming, next(it, None)
+            yield epoch, index, upcoming is None, current
+            index += 1
+        epoch, start = epoch + 1, 0
+
+
+def evaluate_mlm(model: torch.nn.Module, loader: DataLoader | None, accelerator: Accelerator,
+                 metric: Any) -> dict[str, float] | None:
+    """Per-token eval loss, perplexity and accuracy: sums reduced across ranks, then divided."""
+    if loader is None:
+        return None
+    net = accelerator.unwrap_model(model)  # no DDP collectives inside the loop: ranks may differ in batches
+    was_training = net.training
+    net.eval()
+    sums = torch.zeros(3, dtype=torch.float64, device=accelerator.device)  # loss, masked, correct
+    with torch.no_grad(), accelerator.autocast():
+        for batch in loader:
+            loss_sum, masked, correct = mlm_loss_sums(net, mdata.to_device(batch, accelerator.device))
+            sums += torch.stack([loss_sum.double(), masked.double(), correct.double()])
+    net.train(was_training)
+    loss_sum, masked, correct = accelerator.reduce(sums, reduction="sum").tolist()
+    if masked == 0:
+        return None
+    return metric.compute(loss_sum=[loss_sum], num_tokens=[int(masked)], num_correct=[int(correct)])
+
+
+class MetricsFile:
+    """Appends one JSON object per line to output_dir/metrics.jsonl (main process only)."""
+
+    def __init__(self, path: Path, enabled: bool, resume_step: int | None) -> None:
+        self.path, self.enabled = path, enabled
+        if enabled and resume_step is not None and path.exists():
+            # drop what a crashed run logged after the checkpoint we resume from
+            kept = [line for line in path.read_text().splitlines()
+                    if line.strip() and json.loads(line).get("step", 0) <= resume_step]
+            path.write_text("".join(line + "\n" for line in kept))
+
+    def write(self, record: dict[str, Any]) -> None:
+        if self.enabled:
+            with open(self.path, "a") as handle:
+                handle.write(json.dumps(record) + "\n")
+
+    def first_eval(self) -> dict[str, float] | None:
+        if not self.path.exists():
+            return None
+        for line in self.path.read_text().splitlines():
+            record = json.loads(line)
+            if "eval_loss" in record:
+                return {"loss": record["eval_loss"], "perplexity": record["perplexity"],
+                        "accuracy": record["eval_accuracy"]}
+        return None
+
+
+def save_checkpoint(accelerator: Accelerator, cfg: Config, state: ckpt.TrainerState) -> Path:
+    """Every rank writes its part into a temporary folder; the main process completes and renames it."""
+    tmp = ckpt.temp_dir(cfg.run.output_dir, state.step)
+    if accelerator.is_main_process and tmp.exists():
+        shutil.rmtree(tmp)  # the leftovers of a save that was interrupted
+    accelerator.wait_for_everyone()
+    accelerator.save_state(str(tmp))
+    accelerator.wait_for_everyone()
+    final = ckpt.temp_dir(cfg.run.output_dir, state.step).parent / ckpt.step_dir_name(state.step)
+    if accelerator.is_main_process:
+        final = ckpt.finalize(tmp, state, cfg.to_yaml())
+        for gone in ckpt.rotate(cfg.run.output_dir, cfg.run.save_total_limit):
+            logger.info("deleted old checkpoint %s (--save_total_limit %s)", gone.name, cfg.run.save_total_limit)
+        logger.info("saved checkpoint %s", final)
+    accelerator.wait_for_everyone()
+    return final
+
+
+def save_final(accelerator: Accelerator, model: torch.nn.Module, tokenizer: Any, out: Path) -> Path:
+    """save_pretrained model + tokenizer into out/final, via a temporary folder renamed at the end."""
+    final, tmp = out / "final", out / ".tmp-final"
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        accelerator.unwrap_model(model).save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        if final.exists():
+            shutil.rmtree(final)
+        tmp.rename(final)
+    accelerator.wait_for_everyone()
+    return final
+
+
+def build_optimizer(model: torch.nn.Module, cfg: Config) -> torch.optim.Optimizer:
+    """AdamW; biases and normalisation weights (every tensor with < 2 dims) get no weight decay."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.training.weight_decay},
+        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+    ]
+    t = cfg.training
+    return torch.optim.AdamW(groups, lr=t.learning_rate, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_epsilon)
+
+
+# ---------------------------------------------------------------------------------------------
+# train(cfg)
+# ---------------------------------------------------------------------------------------------
+
+
+def train(cfg: Config) -> TrainResult:
+    t0 = time.perf_counter()
+    out = Path(cfg.run.output_dir)
+    # --- 1. every input is checked before anything is written -------------------------------
+    tokenizer = load_tokenizer(cfg.model)
+    model_config = load_model_config(cfg.model)
+    limit = max_positions(model_config, tokenizer)
+    if cfg.data.max_seq_length > limit:
+        raise ConfigError(f"--max_seq_length {cfg.data.max_seq_length} is above the model's maximum of "
+                          f"{limit} tokens; use --max_seq_length {limit} or less")
+    if len(tokenizer) > model_config.vocab_size:
+        raise ConfigError(f"the tokenizer has {len(tokenizer)} tokens but the model's vocabulary only "
+                          f"{model_config.vocab_size}; pass the model's own tokenizer")
+    resume_from = check_output_dir(cfg)
+    trackers = check_trackers(cfg)
+    raw_train, raw_eval = mdata.load_text(cfg.data, cfg.training.seed)
+
+    # --- 2. processes, data, model -----------------------------------------------------------
+    t = cfg.training
+    accelerator = Accelerator(
+        mixed_precision=t.mixed_precision,  # from our config, so every launcher trains alike
+        gradient_accumulation_plugin=GradientAccumulationPlugin(
+            num_steps=t.gradient_accumulation_steps, sync_with_dataloader=False),
+        log_with=trackers or None,
+        project_dir=str(out),
+    )
+    rank, world = accelerator.process_index, accelerator.num_processes
+    if accelerator.is_main_process:
+        if cfg.run.overwrite_output_dir:
+            for name in RUN_OUTPUTS:
+                target = out / name
+                if target.is_dir():
+                    shutil.rmtree(target)
+                elif target.exists():
+                    target.unlink()
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.yaml").write_text(cfg.to_yaml())
+    accelerator.wait_for_everyone()
+
+    with accelerator.main_process_first():  # rank 0 tokenizes into the datasets cache, the rest read it
+        train_ds = mdata.tokenize_dataset(raw_train, tokenizer, cfg.data, shuffle_seed=t.seed)
+        eval_ds = None if raw_eval is None else mdata.tokenize_dataset(raw_eval, tokenizer, cfg.data)
+        metric = evaluate.load(METRIC_MODULE)
+    collator_args = dict(mask_token_id=tokenizer.mask_token_id, pad_token_id=tokenizer.pad_token_id,
+                         special_ids=tokenizer.all_special_ids, vocab_size=len(tokenizer),
+                         mlm_probability=cfg.data.mlm_probability,
+                         whole_word_mask=cfg.data.whole_word_mask, seed=t.seed)
+    train_collator = MaskingCollator(split=TRAIN_SPLIT, **collator_args)
+    train_dl = mdata.train_loader(train_ds, train_collator, t.per_device_train_batch_size, rank, world,
+                                  t.seed, cfg.data.dataloader_num_workers)
+    eval_dl = None if eval_ds is None else mdata.eval_loader(
+        eval_ds, MaskingCollator(split=EVAL_SPLIT, **collator_args), t.per_device_eval_batch_size,
+        rank, world, cfg.data.dataloader_num_workers)
+
+    ga = t.gradient_accumulation_steps
+    if isinstance(train_ds, IterableDataset):
+        batches_per_epoch = None
+        total_steps = t.max_train_steps
+        data_note = "streaming, tokenized on the fly"
+    else:
+        sampler = train_dl.batch_sampler
+        batches_per_epoch = sampler.batches_per_epoch
+        total_steps = t.max_train_steps or max(1, math.floor(t.num_train_epochs * batches_per_epoch / ga))
+        stats = mdata.pack_stats(train_ds, cfg.data.max_seq_length)
+        data_note = (f"{stats.blocks} blocks of {cfg.data.max_seq_length} tokens ({stats.tokens} tokens, "
+                     f"{stats.short_blocks} shorter tail blocks, {stats.pad_fraction:.2%} padding), "
+                     f"{batches_per_epoch} micro-batches per epoch per rank, {sampler.padding} blocks "
+                     "repeated to fill the last global batch")
+
+    set_seed(t.seed)  # the fresh MLM head (if any) is initialised identically on every rank
+    model = load_model(cfg.model, model_config)
+    optimizer = build_optimizer(model, cfg)
+    scheduler = get_scheduler(t.lr_scheduler_type, optimizer, num_warmup_steps=t.num_warmup_steps,
+                              num_training_steps=total_steps)
+    # the scheduler is stepped by us once per optimizer step, so it is not prepared, only checkpointed
+    model, optimizer = accelerator.prepare(model, optimizer)
+    accelerator.register_for_checkpointing(scheduler)
+
+    state = ckpt.TrainerState(step=0, epoch=0, batch_in_epoch=0, tokens_seen=0, world_size=world)
+    if resume_from is not None:
+        state = ckpt.read_state(resume_from)
+        if state.world_size != world:
+            raise ConfigError(f"{resume_from} was written by {state.world_size} processes and this run "
+                              f"has {world}; each rank's data position is saved, so resume with "
+                              f"{state.world_size} processes")
+        accelerator.load_state(str(resume_from))
+        logger.info("resumed from %s at step %d", resume_from, state.step)
+    metrics = MetricsFile(out / "metrics.jsonl", accelerator.is_main_process,
+                          state.step if resume_from else None)
+    if trackers:
+        accelerator.init_trackers("logs", config={k: v for s in cfg.to_dict().values() for k, v in s.items()
+                                                  if isinstance(v, (int, float, str, bool))})
+
+    logger.info("topology: %d process(es), %s; global batch %d = %d per device x %d processes x %d "
+                "accumulation; precision %s", world, accelerator.distributed_type,
+                t.per_device_train_batch_size * world * ga, t.per_device_train_batch_size, world, ga,
+                t.mixed_precision)
+    logger.info("data: %s; %d optimizer steps", data_note, total_steps)
+
+    # --- 3. the loop ------------------------------------------------------------------------
+    eval_before = metrics.first_eval() if resume_from else None
+    if resume_from is None:
+        eval_before = evaluate_mlm(model, eval_dl, accelerator, metric)
+        if eval_before:
+            metrics.write({"step": 0, "epoch": 0.0, "eval_loss": eval_before["loss"],
+                           "perplexity": eval_before["perplexity"], "eval_accuracy": eval_before["accuracy"]})
+            logger.info("eval before training: loss %.4f, perplexity %.2f, accuracy %.3f",
+                        eval_before["loss"], eval_before["perplexity"], eval_before["accuracy"])
+
+    device = accelerator.device
+    batches = micro_batches(train_dl, train_collator, state.epoch, state.batch_in_epoch)
+    sums = torch.zeros(3, dtype=torch.float64, device=device)  # since last log: loss, masked, input tokens
+    tokens_base, tokens_local = state.tokens_seen, torch.zeros((), dtype=torch.float64, device=device)
+    progress = tqdm(total=total_steps, initial=state.step, desc="training", unit="step",
+                    disable=not accelerator.is_main_process)
+    step, last_log, train_start = state.step, time.perf_counter(), time.perf_counter()
+    eval_after: dict[str, float] | None = None
+    model.train()
+    while step < total_steps:
+        window = [next(batches) for _ in range(ga)]
+        micro = [mdata.to_device(b, device) for *_, b in window]
+        # normalise by the masked tokens of the whole optimizer step, all ranks and micro-batches
+        masked = accelerator.reduce(sum((b["labels"] != IGNORE_INDEX).sum() for b in micro), reduction="sum")
+        scale = world * ga / masked.clamp(min=1)  # DDP averages over ranks, backward() divides by ga
+        for batch in micro:
+            with accelerator.accumulate(model):
+                loss_sum, n_masked, _ = mlm_loss_sums(model, batch)
+                accelerator.backward(loss_sum * scale)
+                if accelerator.sync_gradients and t.max_grad_norm > 0:
+                    accelerator.clip_grad_norm_(model.parameters(), t.max_grad_norm)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            n_input = batch["attention_mask"].sum()
+            sums += torch.stack([loss_sum.detach().double(), n_masked.double(), n_input.double()])
+            tokens_local += n_input
+        scheduler.step()
+        step += 1
+        progress.update(1)
+        epoch, index, last_in_epoch, _ = window[-1]
+        position = (epoch + 1, 0) if last_in_epoch else (epoch, index + 1)
+        epoch_float = epoch + (index + 1) / batches_per_epoch if batches_per_epoch else float(epoch)
+
+        record: dict[str, Any] = {}
+        if step % cfg.run.logging_steps == 0 or step == total_steps:
+            loss_sum_all, masked_all, tokens_all = accelerator.reduce(sums, reduction="sum").tolist()
+            now = time.perf_counter()
+            record = {"step": step, "epoch": round(epoch_float, 4), "loss": loss_sum_all / max(masked_all, 1),
+                      "lr": scheduler.get_last_lr()[0], "tokens_per_s": tokens_all / (now - last_log)}
+            sums.zero_()
+            last_log = now
+            progress.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
+        if step == total_steps or (cfg.run.eval_steps and step % cfg.run.eval_steps == 0):
+            result = evaluate_mlm(model, eval_dl, accelerator, metric)
+            if result:
+                record.update({"step": step, "epoch": round(epoch_float, 4), "eval_loss": result["loss"],
+                               "perplexity": result["perplexity"], "eval_accuracy": result["accuracy"]})
+                logger.info("step %d: eval loss %.4f, perplexity %.2f", step, result["loss"], result["perplexity"])
+            eval_after = result
+        if record:
+            record["tokens_seen"] = int(tokens_base + accelerator.reduce(tokens_local.clone(), reduction="sum").item())
+            metrics.write(record)
+            if trackers:
+                accelerator.log({k: v for k, v in record.items() if k != "step"}, step=step)
+        every = cfg.run.checkpointing_steps
+        if (every == "epoch" and last_in_epoch) or (every not in (None, "epoch") and step % int(every) == 0):
+            tokens = int(tokens_base + accelerator.reduce(tokens_local.clone(), reduction="sum").item())
+            save_checkpoint(accelerator, cfg, ckpt.TrainerState(step, position[0], position[1], tokens, world))
+    progress.close()
+
+    # --- 4. outputs --------------------------------------------------------------------------
+    tokens_seen = int(tokens_base + accelerator.reduce(tokens_local, reduction="sum").item())
+    final = save_final(accelerator, model, tokenizer, out)
+    train_time = time.perf_counter() - train_start
+    result = TrainResult(
+        steps=step, tokens_seen=tokens_seen, wall_time_s=time.perf_counter() - t0,
+        tokens_per_s=(tokens_seen - tokens_base) / max(train_time, 1e-9),
+        eval_before=eval_before, eval_after=eval_after, output_dir=str(out), final_dir=str(final),
+    )
+    if accelerator.is_main_process:
+        (out / "summary.json").write_text(json.dumps(asdict(result), indent=1))
+    logger.info("%s", summary_line(result))
+    if trackers:
+        accelerator.end_training()
+    return result
+
+
+def summary_line(result: TrainResult) -> str:
+    line = (f"done: {result.steps} steps, {result.tokens_seen} tokens in {result.wall_time_s:.0f} s "
+            f"({result.tokens_per_s:.0f} tokens/s while training)")
+    before, after = result.eval_before, result.eval_after
+    if before and after:
+        line += (f"; eval loss {before['loss']:.4f} -> {after['loss']:.4f}, "
+                 f"perplexity {before['perplexity']:.2f} -> {after['perplexity']:.2f}, "
+                 f"accuracy {before['accuracy']:.3f} -> {after['accuracy']:.3f}")
+    return line + f"; model in {result.final_dir}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        datefmt="%H:%M:%S", level=logging.INFO)
+    try:
+        train(parse_args(argv))
+    except ConfigError as err:
+        print(f"mlm_ddp.train: error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
