@@ -159,6 +159,11 @@ class TrainingConfig:
         default="no",
     )
     seed: int = _doc("Seed of the data order, the masks and the model's random initialisation.", default=42)
+    cpu_threads: int | None = _doc(
+        "CPU runs: intra-op threads per process. Default: this node's cores divided by its processes "
+        "(accelerate launch alone would set 1).",
+        default=None,
+    )
 
     def __post_init__(self) -> None:
         for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps"):
@@ -170,6 +175,8 @@ class TrainingConfig:
             raise ConfigError("--weight_decay, --max_grad_norm and --num_warmup_steps must be >= 0")
         if self.num_train_epochs <= 0:
             raise ConfigError(f"--num_train_epochs must be positive, got {self.num_train_epochs}")
+        if self.cpu_threads is not None and self.cpu_threads < 1:
+            raise ConfigError(f"--cpu_threads must be at least 1, got {self.cpu_threads}")
         if self.max_train_steps is not None and self.max_train_steps < 1:
             raise ConfigError(f"--max_train_steps must be at least 1, got {self.max_train_steps}")
 

@@ -280,13 +280,20 @@ def shard_stream(ds: IterableDataset, rank: int, world_size: int) -> IterableDat
     return ds if world_size == 1 else split_dataset_by_node(ds, rank=rank, world_size=world_size)
 
 
+def _own_generator(seed: int) -> torch.Generator:
+    """Each iter(DataLoader) draws a worker seed; from its own generator it leaves torch's global RNG
+    (dropout) untouched, so a resumed run draws the same dropout masks as an uninterrupted one."""
+    return torch.Generator().manual_seed(seed)
+
+
 def train_loader(ds: AnyDataset, collator: Any, batch_size: int, rank: int, world_size: int,
                  seed: int, num_workers: int) -> DataLoader:
     if isinstance(ds, IterableDataset):
         return DataLoader(shard_stream(ds, rank, world_size), batch_size=batch_size,
-                          collate_fn=collator, num_workers=num_workers)
+                          collate_fn=collator, num_workers=num_workers, generator=_own_generator(seed))
     sampler = EpochBatchSampler(len(ds), batch_size, rank, world_size, seed)
-    return DataLoader(ds, batch_sampler=sampler, collate_fn=collator, num_workers=num_workers)
+    return DataLoader(ds, batch_sampler=sampler, collate_fn=collator, num_workers=num_workers,
+                      generator=_own_generator(seed))
 
 
 def eval_loader(ds: AnyDataset, collator: Any, batch_size: int, rank: int, world_size: int,
@@ -296,7 +303,8 @@ def eval_loader(ds: AnyDataset, collator: Any, batch_size: int, rank: int, world
         ds = shard_stream(ds, rank, world_size)
     elif world_size > 1:
         ds = ds.shard(num_shards=world_size, index=rank, contiguous=True)
-    return DataLoader(ds, batch_size=batch_size, collate_fn=collator, num_workers=num_workers)
+    return DataLoader(ds, batch_size=batch_size, collate_fn=collator, num_workers=num_workers,
+                      generator=_own_generator(0))
 
 
 def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:

@@ -32,6 +32,7 @@ from transformers import get_scheduler
 from mlm_ddp import checkpoint as ckpt
 from mlm_ddp import data as mdata
 from mlm_ddp.config import Config, ConfigError, parse_args
+from mlm_ddp.distributed import cpu_threads_per_process
 from mlm_ddp.masking import EVAL_SPLIT, IGNORE_INDEX, TRAIN_SPLIT, MaskingCollator
 from mlm_ddp.model import load_model, load_model_config, load_tokenizer, max_positions, mlm_loss_sums
 
@@ -259,6 +260,8 @@ def train(cfg: Config) -> TrainResult:
         project_dir=str(out),
     )
     rank, world = accelerator.process_index, accelerator.num_processes
+    if accelerator.device.type == "cpu":
+        torch.set_num_threads(cpu_threads_per_process(t.cpu_threads))
     if accelerator.is_main_process:
         if cfg.run.overwrite_output_dir:
             for name in RUN_OUTPUTS:
@@ -326,9 +329,9 @@ def train(cfg: Config) -> TrainResult:
                                                   if isinstance(v, (int, float, str, bool))})
 
     logger.info("topology: %d process(es), %s; global batch %d = %d per device x %d processes x %d "
-                "accumulation; precision %s", world, accelerator.distributed_type,
+                "accumulation; precision %s; device %s (%d threads)", world, accelerator.distributed_type,
                 t.per_device_train_batch_size * world * ga, t.per_device_train_batch_size, world, ga,
-                t.mixed_precision)
+                t.mixed_precision, accelerator.device, torch.get_num_threads())
     logger.info("data: %s; %d optimizer steps", data_note, total_steps)
 
     # --- 3. the loop ------------------------------------------------------------------------

@@ -1,0 +1,96 @@
+"""Shared fixtures: a tiny real corpus, a tiny BERT and its WordPiece tokenizer, built offline."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["HF_DATASETS_OFFLINE"] = "1"
+os.environ["TRANSFORMERS_OFFLINE"] = "1"
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def corpus_paragraphs() -> list[str]:
+    """Real English text that every CPython ships: paragraphs of the reference documentation."""
+    from pydoc_data.topics import topics
+
+    paragraphs = []
+    for key in sorted(topics):
+        paragraphs += [" ".join(p.split()) for p in topics[key].split("\n\n") if len(p.split()) >= 8]
+    return paragraphs
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """train.txt (600 paragraphs, one per line) and valid.txt (60 others)."""
+    paragraphs = corpus_paragraphs()
+    root = tmp_path_factory.mktemp("corpus")
+    (root / "train.txt").write_text("\n".join(paragraphs[:600]) + "\n")
+    (root / "valid.txt").write_text("\n".join(paragraphs[600:660]) + "\n")
+    return {"train": root / "train.txt", "valid": root / "valid.txt", "root": root}
+
+
+@pytest.fixture(scope="session")
+def tiny_model(corpus: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 2-layer BertForMaskedLM and a 600-token WordPiece tokenizer trained on the corpus."""
+    import torch
+    from tokenizers import BertWordPieceTokenizer
+    from transformers import AutoTokenizer, BertConfig, BertForMaskedLM
+
+    root = tmp_path_factory.mktemp("tiny_bert")
+    wordpiece = BertWordPieceTokenizer(lowercase=True)
+    wordpiece.train([str(corpus["train"])], vocab_size=600, min_frequency=2)
+    wordpiece.save_model(str(root))
+    # a vocab.txt plus this config loads as a fast BERT tokenizer in transformers 4 and 5 alike
+    (root / "tokenizer_config.json").write_text(
+        json.dumps({"tokenizer_class": "BertTokenizer", "do_lower_case": True, "model_max_length": 64})
+    )
+    tokenizer = AutoTokenizer.from_pretrained(root)
+    assert len(tokenizer) == 600 and tokenizer.is_fast
+    tokenizer.save_pretrained(root)
+    config = BertConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                        intermediate_size=64, max_position_embeddings=64, pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(0)
+    BertForMaskedLM(config).save_pretrained(root)
+    return root
+
+
+@pytest.fixture(autouse=True)
+def _fresh_accelerate_state() -> None:
+    """train() may run several times in one test process; accelerate keeps singleton state."""
+    from accelerate.state import AcceleratorState, GradientState, PartialState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    PartialState._reset_state()
+
+
+def tiny_args(model: Path, corpus: dict[str, Path], out: Path, *extra: str) -> list[str]:
+    """Flags of a fast tiny run; later flags win over earlier ones."""
+    return [
+        "--model_name_or_path", str(model), "--train_file", str(corpus["train"]),
+        "--validation_file", str(corpus["valid"]), "--output_dir", str(out),
+        "--max_seq_length", "32", "--per_device_train_batch_size", "8", "--per_device_eval_batch_size", "32",
+        "--learning_rate", "1e-3", "--logging_steps", "1", *extra,
+    ]
+
+
+def run_module(args: list[str], cwd: Path | None = None, env: dict | None = None,
+               timeout: float = 600) -> subprocess.CompletedProcess:
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    return subprocess.run([sys.executable, "-m", *args], cwd=cwd or REPO, env=full_env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+@pytest.fixture
+def run_cli() -> Callable[..., subprocess.CompletedProcess]:
+    return run_module

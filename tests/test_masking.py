@@ -1,0 +1,91 @@
+import numpy as np
+import pytest
+
+from mlm_ddp.masking import IGNORE_INDEX, MaskingCollator
+
+MASK, PAD, CLS, SEP = 3, 0, 1, 2
+SPECIAL = [PAD, CLS, SEP, MASK]
+VOCAB = 1000
+
+
+def blocks(n_blocks: int, length: int, seed: int = 0) -> list[dict]:
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n_blocks):
+        ids = rng.integers(10, VOCAB, length)
+        ids[0], ids[length // 2], ids[-1] = CLS, SEP, SEP
+        cont = (rng.random(length) < 0.4).astype(int)
+        out.append({"input_ids": ids.tolist(), "word_continues": cont.tolist()})
+    return out
+
+
+def collator(**kw) -> MaskingCollator:
+    return MaskingCollator(mask_token_id=MASK, pad_token_id=PAD, special_ids=SPECIAL, vocab_size=VOCAB, **kw)
+
+
+def test_ratios_80_10_10_and_special_tokens_never_masked() -> None:
+    examples = blocks(100, 128)  # 12,800 tokens
+    batch = collator(mlm_probability=0.15)(examples)
+    original = np.array([e["input_ids"] for e in examples])
+    inputs, labels = batch["input_ids"].numpy(), batch["labels"].numpy()
+    special = np.isin(original, SPECIAL)
+    selected = labels != IGNORE_INDEX
+    assert not (selected & special).any()
+    assert (inputs[special] == original[special]).all()
+    assert abs(selected.sum() / (~special).sum() - 0.15) < 0.01
+    assert (labels[selected] == original[selected]).all()
+    to_mask = (inputs == MASK) & selected
+    unchanged = (inputs == original) & selected
+    random = selected & ~to_mask & ~unchanged
+    n = selected.sum()
+    assert abs(to_mask.sum() / n - 0.8) < 0.03
+    assert abs(unchanged.sum() / n - 0.1) < 0.025
+    assert abs(random.sum() / n - 0.1) < 0.025
+    assert not np.isin(inputs[random], SPECIAL).any()  # random replacements are never special tokens
+    assert (inputs[~selected] == original[~selected]).all()
+
+
+def test_masks_are_deterministic_per_seed_epoch_and_content() -> None:
+    examples = blocks(8, 64)
+    a = collator(seed=1)(examples)
+    b = collator(seed=1)(examples)
+    assert all((a[k] == b[k]).all() for k in a)
+    assert not (collator(seed=2)(examples)["labels"] == a["labels"]).all()
+    later = collator(seed=1)
+    later.set_epoch(1)
+    assert not (later(examples)["labels"] == a["labels"]).all()
+    # a sample's mask does not depend on its batch neighbours (so not on ranks or batch size)
+    alone = collator(seed=1)(examples[3:4])
+    assert (alone["labels"][0] == a["labels"][3]).all()
+
+
+def test_padding_of_short_blocks() -> None:
+    examples = blocks(3, 64)
+    examples[1] = {k: v[:20] for k, v in examples[1].items()}
+    batch = collator()(examples)
+    assert batch["input_ids"].shape == (3, 64)
+    assert batch["attention_mask"][1].sum() == 20
+    assert (batch["input_ids"][1, 20:] == PAD).all()
+    assert (batch["labels"][1, 20:] == IGNORE_INDEX).all()
+
+
+def test_whole_word_masking_masks_every_piece_of_a_word() -> None:
+    examples = blocks(50, 128, seed=3)
+    batch = collator(whole_word_mask=True, mlm_probability=0.2)(examples)
+    labels = batch["labels"].numpy()
+    for row, example in enumerate(examples):
+        ids = np.array(example["input_ids"])
+        maskable = ~np.isin(ids, SPECIAL)
+        cont = np.array(example["word_continues"], dtype=bool)
+        selected = labels[row] != IGNORE_INDEX
+        for t in range(1, len(ids)):
+            if cont[t] and maskable[t] and maskable[t - 1]:
+                assert selected[t] == selected[t - 1], (row, t)
+    # words, not tokens, are drawn with p=0.2, so about 20% of the maskable tokens are selected
+    maskable_share = 1 - 3 / 128
+    assert abs((labels != IGNORE_INDEX).mean() - 0.2 * maskable_share) < 0.03
+
+
+def test_whole_word_masking_needs_word_boundaries() -> None:
+    with pytest.raises(ValueError, match="word_continues"):
+        collator(whole_word_mask=True)([{"input_ids": [CLS, 10, 11, SEP]}])

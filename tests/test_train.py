@@ -1,0 +1,231 @@
+"""End-to-end runs of the real loop on a tiny BERT: outputs, resume, accumulation, streaming, bad input."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from mlm_ddp.config import ConfigError, parse_args
+from mlm_ddp.train import main, train
+from tests.conftest import REPO, run_module, tiny_args
+
+NO_DROPOUT = ["--config_overrides", "hidden_dropout_prob=0,attention_probs_dropout_prob=0"]
+
+
+def read_metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def train_losses(out: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in read_metrics(out) if "loss" in r}
+
+
+@pytest.fixture(scope="module")
+def launched_run(tiny_model: Path, corpus: dict, tmp_path_factory: pytest.TempPathFactory):
+    """One real `accelerate launch -m mlm_ddp.train` run, shared by the tests that inspect its outputs."""
+    out = tmp_path_factory.mktemp("launched") / "run"
+    args = tiny_args(tiny_model, corpus, out, "--max_train_steps", "6", "--checkpointing_steps", "3",
+                     "--eval_steps", "3", "--with_tracking", "--save_total_limit", "2")
+    proc = run_module(["accelerate.commands.launch", "--config_file",
+                       str(REPO / "accelerate_configs" / "cpu.yaml"), "-m", "mlm_ddp.train", *args])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return out, proc
+
+
+def test_launch_writes_every_output(launched_run) -> None:
+    out, proc = launched_run
+    assert (out / "config.yaml").is_file()
+    written = parse_args(["--config", str(out / "config.yaml")])
+    assert written.training.max_train_steps == 6 and written.data.max_seq_length == 32
+
+    records = read_metrics(out)
+    assert records[0]["step"] == 0 and "eval_loss" in records[0]
+    train_records = [r for r in records if "loss" in r]
+    assert [r["step"] for r in train_records] == [1, 2, 3, 4, 5, 6]
+    for r in train_records:
+        assert {"epoch", "loss", "lr", "tokens_per_s", "tokens_seen"} <= set(r)
+        assert r["tokens_per_s"] > 0
+    assert train_records[-1]["tokens_seen"] == 6 * 8 * 32  # blocks are full: no padding counted
+    evals = [r for r in records if "eval_loss" in r]
+    assert [r["step"] for r in evals] == [0, 3, 6]
+    assert all(r["perplexity"] == pytest.approx(2.718281828459045 ** r["eval_loss"]) for r in evals)
+
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-0000003", "step-0000006"]
+    for ckpt in (out / "checkpoints").iterdir():
+        assert (ckpt / "COMPLETE").is_file() and (ckpt / "trainer_state.json").is_file()
+        assert (ckpt / "model.safetensors").is_file()
+    assert list((out / "logs").rglob("events.out.tfevents.*")), "TensorBoard wrote no event file"
+
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 6 and summary["eval_after"]["loss"] == evals[-1]["eval_loss"]
+    assert "done: 6 steps" in proc.stderr + proc.stdout
+    assert "perplexity" in proc.stderr + proc.stdout
+
+
+def test_final_model_opens_in_fill_mask_pipeline(launched_run) -> None:
+    from transformers import pipeline
+
+    out, _ = launched_run
+    fill = pipeline("fill-mask", model=str(out / "final"), device="cpu")
+    predictions = fill(f"the value of the {fill.tokenizer.mask_token} is returned.")
+    assert len(predictions) == 5 and all("token_str" in p for p in predictions)
+
+
+def test_resume_reproduces_the_uninterrupted_run(tiny_model: Path, corpus: dict, tmp_path: Path) -> None:
+    """2N steps straight vs N steps + resume for N: same per-step losses (fp32, dropout on)."""
+    straight = tmp_path / "straight"
+    train(parse_args(tiny_args(tiny_model, corpus, straight, "--max_train_steps", "8",
+                               "--checkpointing_steps", "4", "--gradient_accumulation_steps", "2")))
+    resumed = tmp_path / "resumed"
+    (resumed / "checkpoints").mkdir(parents=True)
+    shutil.copytree(straight / "checkpoints" / "step-0000004", resumed / "checkpoints" / "step-0000004")
+    result = train(parse_args(tiny_args(tiny_model, corpus, resumed, "--max_train_steps", "8",
+                                        "--checkpointing_steps", "4", "--gradient_accumulation_steps", "2",
+                                        "--resume_from_checkpoint", "latest")))
+    assert result.steps == 8
+    a, b = train_losses(straight), train_losses(resumed)
+    assert sorted(b) == [5, 6, 7, 8]  # exactly the remaining steps ran
+    for step in b:
+        assert b[step] == pytest.approx(a[step], rel=1e-6, abs=0), step
+    assert result.tokens_seen == json.loads((straight / "summary.json").read_text())["tokens_seen"]
+
+
+def test_accumulation_equals_a_bigger_batch(tiny_model: Path, corpus: dict, tmp_path: Path) -> None:
+    """Batch 8 x accumulation 2 trains exactly like batch 16: the loss is normalised per masked token."""
+    big = tmp_path / "big"
+    train(parse_args(tiny_args(tiny_model, corpus, big, "--max_train_steps", "6", *NO_DROPOUT,
+                               "--per_device_train_batch_size", "16")))
+    acc = tmp_path / "acc"
+    train(parse_args(tiny_args(tiny_model, corpus, acc, "--max_train_steps", "6", *NO_DROPOUT,
+                               "--gradient_accumulation_steps", "2")))
+    a, b = train_losses(big), train_losses(acc)
+    assert sorted(a) == sorted(b) == list(range(1, 7))
+    for step in a:
+        assert b[step] == pytest.approx(a[step], rel=1e-5), step
+    assert a[6] < a[1]
+
+
+def test_streaming_whole_word_run(tiny_model: Path, corpus: dict, tmp_path: Path) -> None:
+    out = tmp_path / "stream"
+    result = train(parse_args(tiny_args(tiny_model, corpus, out, "--streaming", "--max_train_steps", "4",
+                                        "--whole_word_mask")))
+    assert result.steps == 4
+    assert [r["step"] for r in read_metrics(out) if "loss" in r] == [1, 2, 3, 4]
+    assert result.eval_before and result.eval_after
+
+
+def test_embedded_default_runs_offline(tmp_path: Path) -> None:
+    """No data or model flags: all-MiniLM-L6-v2 from its PyPI package on Python's documentation."""
+    out = tmp_path / "default"
+    code = main(["--output_dir", str(out), "--max_train_steps", "1", "--per_device_train_batch_size", "2",
+                 "--max_eval_samples", "1"])
+    assert code == 0
+    config = json.loads((out / "final" / "config.json").read_text())
+    assert (config["hidden_size"], config["num_hidden_layers"], config["vocab_size"]) == (384, 6, 30522)
+    recorded = yaml.safe_load((out / "config.yaml").read_text())
+    assert recorded["model"]["model_name_or_path"] is None and recorded["data"]["train_file"] is None
+
+
+# --- bad input: one clear error naming the value and the fix, exit 2, nothing written -----------
+
+
+def _no_mask_tokenizer(tiny_model: Path, root: Path) -> Path:
+    from transformers import AutoTokenizer
+
+    target = root / "no_mask_tok"
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    tok.mask_token = None
+    tok.save_pretrained(target)
+    return target
+
+
+@pytest.mark.parametrize(
+    ("case", "message"),
+    [
+        ("missing_file", "--train_file .*nope.txt: no such file"),
+        ("empty_file", "empty.txt: the file is empty"),
+        ("bad_extension", r"unknown file extension '\.docx'"),
+        ("no_text_column", "no text column 'text'; columns found: body"),
+        ("seq_too_long", "--max_seq_length 128 is above the model's maximum of 64 tokens"),
+        ("bad_probability", "--mlm_probability must be strictly between 0 and 1"),
+        ("no_mask_token", "has no mask token"),
+        ("unknown_yaml_key", "unknown key 'learnig_rate'.*did you mean 'learning_rate'"),
+        ("resume_nothing", "--resume_from_checkpoint .*nowhere: no such folder"),
+        ("resume_latest_empty", "--resume_from_checkpoint latest: no complete checkpoint"),
+    ],
+)
+def test_bad_input_is_refused_before_anything_is_written(
+    case: str, message: str, tiny_model: Path, corpus: dict, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("a user's own file")
+    extra: list[str] = []
+    if case == "missing_file":
+        extra = ["--train_file", str(tmp_path / "nope.txt")]
+    elif case == "empty_file":
+        (tmp_path / "empty.txt").write_text("")
+        extra = ["--train_file", str(tmp_path / "empty.txt")]
+    elif case == "bad_extension":
+        (tmp_path / "data.docx").write_text("text")
+        extra = ["--train_file", str(tmp_path / "data.docx")]
+    elif case == "no_text_column":
+        (tmp_path / "d.jsonl").write_text('{"body": "some words"}\n' * 5)
+        extra = ["--train_file", str(tmp_path / "d.jsonl"), "--validation_file", str(tmp_path / "d.jsonl")]
+    elif case == "seq_too_long":
+        extra = ["--max_seq_length", "128"]
+    elif case == "bad_probability":
+        extra = ["--mlm_probability", "1.0"]
+    elif case == "no_mask_token":
+        extra = ["--tokenizer_name", str(_no_mask_tokenizer(tiny_model, tmp_path))]
+    elif case == "unknown_yaml_key":
+        (tmp_path / "r.yaml").write_text("learnig_rate: 0.1\n")
+        extra = ["--config", str(tmp_path / "r.yaml")]
+    elif case == "resume_nothing":
+        extra = ["--resume_from_checkpoint", str(tmp_path / "nowhere")]
+    elif case == "resume_latest_empty":
+        extra = ["--resume_from_checkpoint", "latest"]
+    before = sorted(p.name for p in out.rglob("*"))
+    code = main(tiny_args(tiny_model, corpus, out, "--max_train_steps", "2", *extra))
+    assert code == 2
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("mlm_ddp.train: error:")]
+    assert len(errors) == 1 and "Traceback" not in err, err  # one clear line, no traceback
+    assert re.search(message, errors[0]), err
+    assert sorted(p.name for p in out.rglob("*")) == before
+
+
+def test_finished_run_is_not_overwritten_unasked(launched_run, tiny_model: Path, corpus: dict,
+                                                 tmp_path: Path) -> None:
+    finished = tmp_path / "finished"
+    shutil.copytree(launched_run[0], finished)
+    snapshot = {p: p.stat().st_mtime_ns for p in finished.rglob("*")}
+    with pytest.raises(ConfigError, match="already holds a finished run; pass --overwrite_output_dir"):
+        train(parse_args(tiny_args(tiny_model, corpus, finished, "--max_train_steps", "2")))
+    assert {p: p.stat().st_mtime_ns for p in finished.rglob("*")} == snapshot
+    # asked: the earlier outputs are replaced
+    result = train(parse_args(tiny_args(tiny_model, corpus, finished, "--max_train_steps", "2",
+                                        "--overwrite_output_dir")))
+    assert result.steps == 2 and not (finished / "checkpoints").exists()
+    assert [r["step"] for r in read_metrics(finished) if "loss" in r] == [1, 2]
+
+
+def test_unfinished_run_points_to_resume(tiny_model: Path, corpus: dict, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    train(parse_args(tiny_args(tiny_model, corpus, out, "--max_train_steps", "2", "--checkpointing_steps", "1")))
+    shutil.rmtree(out / "final")
+    (out / "summary.json").unlink()
+    with pytest.raises(ConfigError, match="unfinished run .*--resume_from_checkpoint latest to continue from "
+                                          "step-0000002"):
+        train(parse_args(tiny_args(tiny_model, corpus, out, "--max_train_steps", "4")))
+
+
+def test_main_exit_code_through_python_m(tiny_model: Path, corpus: dict, tmp_path: Path) -> None:
+    proc = run_module(["mlm_ddp.train", *tiny_args(tiny_model, corpus, tmp_path / "o", "--max_seq_length", "999")])
+    assert proc.returncode == 2 and "--max_seq_length 999 is above" in proc.stderr
