@@ -114,9 +114,10 @@ def load_text(cfg: DataConfig, seed: int) -> tuple[AnyDataset, AnyDataset | None
     for name, ds in (("train", train), ("validation", evaluation)):
         if ds is None:
             continue
-        where = f"{source} ({name})" if name != "train" or evaluation is None else source
-        if name == "validation" and cfg.validation_file is not None:
-            where = cfg.validation_file
+        if name == "train":
+            where = source
+        else:
+            where = cfg.validation_file or f"{source} (validation)"
         if isinstance(ds, IterableDataset):
             _check_columns(_first_columns(ds, where), cfg.text_column, where)
         else:

@@ -348,6 +348,11 @@ def train(cfg: Config) -> TrainResult:
     batches = micro_batches(train_dl, train_collator, state.epoch, state.batch_in_epoch)
     sums = torch.zeros(3, dtype=torch.float64, device=device)  # since last log: loss, masked, input tokens
     tokens_base, tokens_local = state.tokens_seen, torch.zeros((), dtype=torch.float64, device=device)
+
+    def tokens_total() -> int:
+        """Input tokens trained on so far, all ranks (a collective: every rank calls it together)."""
+        return int(tokens_base + accelerator.reduce(tokens_local.clone(), reduction="sum").item())
+
     progress = tqdm(total=total_steps, initial=state.step, desc="training", unit="step",
                     disable=not accelerator.is_main_process)
     step, last_log, train_start = state.step, time.perf_counter(), time.perf_counter()
@@ -394,18 +399,17 @@ def train(cfg: Config) -> TrainResult:
                 logger.info("step %d: eval loss %.4f, perplexity %.2f", step, result["loss"], result["perplexity"])
             eval_after = result
         if record:
-            record["tokens_seen"] = int(tokens_base + accelerator.reduce(tokens_local.clone(), reduction="sum").item())
+            record["tokens_seen"] = tokens_total()
             metrics.write(record)
             if trackers:
                 accelerator.log({k: v for k, v in record.items() if k != "step"}, step=step)
         every = cfg.run.checkpointing_steps
         if (every == "epoch" and last_in_epoch) or (every not in (None, "epoch") and step % int(every) == 0):
-            tokens = int(tokens_base + accelerator.reduce(tokens_local.clone(), reduction="sum").item())
-            save_checkpoint(accelerator, cfg, ckpt.TrainerState(step, position[0], position[1], tokens, world))
+            save_checkpoint(accelerator, cfg, ckpt.TrainerState(step, *position, tokens_total(), world))
     progress.close()
 
     # --- 4. outputs --------------------------------------------------------------------------
-    tokens_seen = int(tokens_base + accelerator.reduce(tokens_local, reduction="sum").item())
+    tokens_seen = tokens_total()
     final = save_final(accelerator, model, tokenizer, out)
     train_time = time.perf_counter() - train_start
     result = TrainResult(

@@ -17,6 +17,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import pytest  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
+NO_DROPOUT = ["--config_overrides", "hidden_dropout_prob=0,attention_probs_dropout_prob=0"]
 
 
 def corpus_paragraphs() -> list[str]:
@@ -82,6 +83,12 @@ def tiny_args(model: Path, corpus: dict[str, Path], out: Path, *extra: str) -> l
         "--max_seq_length", "32", "--per_device_train_batch_size", "8", "--per_device_eval_batch_size", "32",
         "--learning_rate", "1e-3", "--logging_steps", "1", *extra,
     ]
+
+
+def train_losses(out: Path) -> dict[int, float]:
+    """step -> training loss, from a run's metrics.jsonl."""
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in records if "loss" in r}
 
 
 def run_module(args: list[str], cwd: Path | None = None, env: dict | None = None,

@@ -2,26 +2,18 @@
 
 from __future__ import annotations
 
-import json
 import socket
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import run_module, tiny_args
-
-NO_DROPOUT = ["--config_overrides", "hidden_dropout_prob=0,attention_probs_dropout_prob=0"]
+from tests.conftest import NO_DROPOUT, run_module, tiny_args, train_losses
 
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def losses(out: Path) -> dict[int, float]:
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in records if "loss" in r}
 
 
 def test_two_processes_match_one_with_the_same_global_batch(tiny_model: Path, corpus: dict, tmp_path: Path) -> None:
@@ -39,7 +31,7 @@ def test_two_processes_match_one_with_the_same_global_batch(tiny_model: Path, co
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "topology: 2 process(es), DistributedType.MULTI_CPU; global batch 16" in proc.stderr
-    a, b = losses(one), losses(two)
+    a, b = train_losses(one), train_losses(two)
     assert sorted(a) == sorted(b) == list(range(1, 11))
     for step in a:
         assert b[step] == pytest.approx(a[step], rel=1e-5), step

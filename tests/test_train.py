@@ -12,17 +12,11 @@ import yaml
 
 from mlm_ddp.config import ConfigError, parse_args
 from mlm_ddp.train import main, train
-from tests.conftest import REPO, run_module, tiny_args
-
-NO_DROPOUT = ["--config_overrides", "hidden_dropout_prob=0,attention_probs_dropout_prob=0"]
+from tests.conftest import NO_DROPOUT, REPO, run_module, tiny_args, train_losses
 
 
 def read_metrics(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-
-
-def train_losses(out: Path) -> dict[int, float]:
-    return {r["step"]: r["loss"] for r in read_metrics(out) if "loss" in r}
 
 
 @pytest.fixture(scope="module")
