@@ -289,12 +289,11 @@ def _own_generator(seed: int) -> torch.Generator:
 
 def train_loader(ds: AnyDataset, collator: Any, batch_size: int, rank: int, world_size: int,
                  seed: int, num_workers: int) -> DataLoader:
+    common = dict(collate_fn=collator, num_workers=num_workers, generator=_own_generator(seed))
     if isinstance(ds, IterableDataset):
-        return DataLoader(shard_stream(ds, rank, world_size), batch_size=batch_size,
-                          collate_fn=collator, num_workers=num_workers, generator=_own_generator(seed))
+        return DataLoader(shard_stream(ds, rank, world_size), batch_size=batch_size, **common)
     sampler = EpochBatchSampler(len(ds), batch_size, rank, world_size, seed)
-    return DataLoader(ds, batch_sampler=sampler, collate_fn=collator, num_workers=num_workers,
-                      generator=_own_generator(seed))
+    return DataLoader(ds, batch_sampler=sampler, **common)
 
 
 def eval_loader(ds: AnyDataset, collator: Any, batch_size: int, rank: int, world_size: int,

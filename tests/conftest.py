@@ -6,7 +6,6 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
 os.environ["HF_HUB_OFFLINE"] = "1"
@@ -85,10 +84,13 @@ def tiny_args(model: Path, corpus: dict[str, Path], out: Path, *extra: str) -> l
     ]
 
 
+def read_metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
 def train_losses(out: Path) -> dict[int, float]:
     """step -> training loss, from a run's metrics.jsonl."""
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in records if "loss" in r}
+    return {r["step"]: r["loss"] for r in read_metrics(out) if "loss" in r}
 
 
 def run_module(args: list[str], cwd: Path | None = None, env: dict | None = None,
@@ -96,8 +98,3 @@ def run_module(args: list[str], cwd: Path | None = None, env: dict | None = None
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     return subprocess.run([sys.executable, "-m", *args], cwd=cwd or REPO, env=full_env, capture_output=True,
                           text=True, timeout=timeout)
-
-
-@pytest.fixture
-def run_cli() -> Callable[..., subprocess.CompletedProcess]:
-    return run_module

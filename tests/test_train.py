@@ -12,11 +12,7 @@ import yaml
 
 from mlm_ddp.config import ConfigError, parse_args
 from mlm_ddp.train import main, train
-from tests.conftest import NO_DROPOUT, REPO, run_module, tiny_args, train_losses
-
-
-def read_metrics(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+from tests.conftest import NO_DROPOUT, REPO, read_metrics, run_module, tiny_args, train_losses
 
 
 @pytest.fixture(scope="module")
