@@ -252,6 +252,11 @@ class Config:
             raise ConfigError(
                 "--streaming needs --max_train_steps: a stream has no length to count epochs by"
             )
+        if self.data.streaming and self.run.checkpointing_steps == "epoch":
+            raise ConfigError(
+                "--checkpointing_steps epoch does not work with --streaming: a stream's epoch end is "
+                "only known once it is reached; give a number of steps"
+            )
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)

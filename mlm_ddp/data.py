@@ -5,18 +5,26 @@ one tokenization batch are concatenated and cut into blocks of exactly `max_seq_
 remainder of each tokenization batch is kept as one shorter block (padded when batched), never
 dropped; `PackStats` counts it.
 
-Sharding (map-style): one seeded permutation per epoch, cut into global batches of
-`per_device_batch x world_size` blocks; rank r takes the r-th slice of every global batch. The last
-global batch is filled up with the first blocks of the permutation (counted in `padding`), so every
-rank runs the same number of steps and the composition of each global batch, hence the loss curve,
-does not depend on how many processes share it. Streams are split with
-`datasets.distributed.split_dataset_by_node`.
+Sharding, one way per kind of data, never twice (the loaders are not passed through
+`accelerator.prepare`, so Accelerate does not split them again; accelerate #3547):
+
+- map-style: one seeded permutation of the blocks per epoch, cut into global batches of
+  `per_device_batch x world_size`; rank r takes the r-th slice of every global batch. The last global
+  batch is filled up with the first blocks of the permutation (counted in `padding`), so every rank
+  runs the same number of steps and the composition of each global batch, hence the loss curve, does
+  not depend on how many processes share it.
+- streams: the raw texts are split before they are shuffled and tokenized (`shard_stream`). With a
+  number of shards (files) divisible by the world size each rank reads only its own shards;
+  otherwise every rank reads the whole raw stream and keeps one text in world_size
+  (`stream_sharding`). Either way each rank tokenizes and packs only its own texts. Ranks'
+  streams end at different batches; `TrainFeed` makes all ranks end the epoch together.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -276,10 +284,118 @@ class EpochBatchSampler(Sampler[list[int]]):
         return self.batches_per_epoch - self.start_batch
 
 
-def shard_stream(ds: IterableDataset, rank: int, world_size: int) -> IterableDataset:
-    """This rank's part of a stream (whole shards when there are enough, else every n-th example)."""
-    return ds if world_size == 1 else split_dataset_by_node(ds, rank=rank, world_size=world_size)
+def stream_sharding(num_shards: int, world_size: int) -> str:
+    """How `shard_stream` splits a stream of `num_shards` shards over `world_size` ranks, and its cost."""
+    if world_size == 1:
+        return f"one process reads all {num_shards} shard(s)"
+    if num_shards % world_size == 0:
+        return (f"{num_shards} shards over {world_size} ranks: each rank reads only its "
+                f"{num_shards // world_size} shard(s)")
+    return (f"{num_shards} shard(s) over {world_size} ranks: each rank reads every raw text and keeps "
+            f"one in {world_size} ({world_size}x raw reading, tokenizing not repeated); "
+            f"split the data into a multiple of {world_size} files to read each text once")
 
+
+def _is_mine(_example: dict, index: int, rank: int, world_size: int) -> bool:
+    return index % world_size == rank
+
+
+def shard_stream(ds: IterableDataset, rank: int, world_size: int) -> IterableDataset:
+    """This rank's part of a raw stream: whole shards when they divide evenly, else every n-th text.
+
+    Not `split_dataset_by_node` in the uneven case: its example split is applied to the end of the
+    pipeline, after `map`, so every rank would tokenize and pack every text. Filtering by position
+    here, before the shuffle buffer and `map`, is a partition because every rank reads the same texts
+    in the same (seeded) shard order, and with the same number of DataLoader workers, the same shards
+    per worker.
+    """
+    if world_size == 1:
+        return ds
+    if ds.num_shards % world_size == 0:
+        return split_dataset_by_node(ds, rank=rank, world_size=world_size)
+    return ds.filter(_is_mine, with_indices=True, fn_kwargs={"rank": rank, "world_size": world_size})
+
+
+def rank_dataset(raw: AnyDataset, tokenizer: Any, cfg: DataConfig, rank: int, world_size: int,
+                 shuffle_seed: int | None = None) -> AnyDataset:
+    """What this rank tokenizes: its own part of a raw stream, or the whole map-style split (which
+    the samplers shard, so that every rank shares the one cached tokenization)."""
+    if isinstance(raw, IterableDataset):
+        raw = shard_stream(raw, rank, world_size)
+    return tokenize_dataset(raw, tokenizer, cfg, shuffle_seed=shuffle_seed)
+
+
+class TrainFeed:
+    """This rank's micro-batches, one window of `accumulation` per optimizer step, epoch after epoch.
+
+    Map-style: every rank has exactly `batches_per_epoch` batches, so a window may run across an
+    epoch end, as it would in one process. Streams: the ranks' shards end at different batches. A
+    window never crosses an epoch end; when any rank cannot fill its window, all ranks learn it from
+    one all-reduce (`any_rank`), drop their partial windows and start the next epoch together, so no
+    rank waits in a collective for one that has run out (datasets #6623, #6437). The micro-batches
+    of dropped partial windows are counted in `dropped_batches`; the rest of a longer shard is not
+    read in that epoch.
+    """
+
+    def __init__(self, loader: DataLoader, collator: Any, accumulation: int, epoch: int, start: int,
+                 any_rank: Callable[[bool], bool]) -> None:
+        self.loader, self.collator, self.accumulation = loader, collator, accumulation
+        self.any_rank = any_rank
+        self.stream = isinstance(loader.dataset, IterableDataset)
+        self.batches_per_epoch = None if self.stream else loader.batch_sampler.batches_per_epoch
+        self.epoch, self.index = epoch, start  # position of the next micro-batch
+        self.dropped_batches = 0
+        self.last_epoch_batches = 0  # micro-batches each rank trained on in the last stream epoch
+        self._it: Iterator[Any] | None = None
+
+    def _open(self) -> Iterator[Any]:
+        if hasattr(self.collator, "set_epoch"):
+            self.collator.set_epoch(self.epoch)
+        if self.stream:
+            self.loader.dataset.set_epoch(self.epoch)  # reseeds the shuffle buffer
+            it = iter(self.loader)
+            for _ in range(self.index):  # a stream re-reads up to its position
+                next(it)
+            return it
+        self.loader.batch_sampler.set_epoch(self.epoch, self.index)
+        return iter(self.loader)
+
+    def _next_epoch(self) -> None:
+        self.epoch, self.index, self._it = self.epoch + 1, 0, None
+
+    def next_window(self) -> list[Any]:
+        """The micro-batches of the next optimizer step on this rank (a collective for streams)."""
+        if not self.stream:
+            window = []
+            for _ in range(self.accumulation):
+                if self._it is None:
+                    self._it = self._open()
+                window.append(next(self._it))
+                self.index += 1
+                if self.index == self.batches_per_epoch:
+                    self._next_epoch()
+            return window
+        while True:
+            if self._it is None:
+                self._it = self._open()
+            window = list(itertools.islice(self._it, self.accumulation))
+            if not self.any_rank(len(window) < self.accumulation):
+                self.index += len(window)
+                return window
+            if self.index == 0 and not self.any_rank(len(window) > 0):
+                raise RuntimeError(f"epoch {self.epoch} of the training stream yields no full step "
+                                   "on any rank: give it more text or use fewer processes")
+            # some rank ran out: its epoch ends here, and so does everyone's
+            self.dropped_batches += len(window)
+            self.last_epoch_batches = self.index
+            self._next_epoch()
+
+    @property
+    def epoch_float(self) -> float:
+        """Epochs done so far (streams: whole epochs only, their length is unknown)."""
+        if self.batches_per_epoch is None:
+            return float(self.epoch)
+        return self.epoch + self.index / self.batches_per_epoch
 
 def _own_generator(seed: int) -> torch.Generator:
     """Each iter(DataLoader) draws a worker seed; from its own generator it leaves torch's global RNG
@@ -289,19 +405,19 @@ def _own_generator(seed: int) -> torch.Generator:
 
 def train_loader(ds: AnyDataset, collator: Any, batch_size: int, rank: int, world_size: int,
                  seed: int, num_workers: int) -> DataLoader:
+    """A stream is already this rank's (`rank_dataset`); map-style data is sharded by the sampler."""
     common = dict(collate_fn=collator, num_workers=num_workers, generator=_own_generator(seed))
     if isinstance(ds, IterableDataset):
-        return DataLoader(shard_stream(ds, rank, world_size), batch_size=batch_size, **common)
+        return DataLoader(ds, batch_size=batch_size, **common)
     sampler = EpochBatchSampler(len(ds), batch_size, rank, world_size, seed)
     return DataLoader(ds, batch_sampler=sampler, **common)
 
 
 def eval_loader(ds: AnyDataset, collator: Any, batch_size: int, rank: int, world_size: int,
                 num_workers: int) -> DataLoader:
-    """Each rank reads a disjoint part of the eval set; nothing is padded or repeated."""
-    if isinstance(ds, IterableDataset):
-        ds = shard_stream(ds, rank, world_size)
-    elif world_size > 1:
+    """Each rank reads a disjoint part of the eval set (a stream is already this rank's, from
+    `rank_dataset`); nothing is padded or repeated."""
+    if not isinstance(ds, IterableDataset) and world_size > 1:
         ds = ds.shard(num_shards=world_size, index=rank, contiguous=True)
     return DataLoader(ds, batch_size=batch_size, collate_fn=collator, num_workers=num_workers,
                       generator=_own_generator(0))

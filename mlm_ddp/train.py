@@ -14,7 +14,6 @@ import math
 import shutil
 import sys
 import time
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -31,8 +30,8 @@ from transformers import get_scheduler
 
 from mlm_ddp import checkpoint as ckpt
 from mlm_ddp import data as mdata
+from mlm_ddp import distributed as dist
 from mlm_ddp.config import Config, ConfigError, parse_args
-from mlm_ddp.distributed import cpu_threads_per_process
 from mlm_ddp.masking import EVAL_SPLIT, IGNORE_INDEX, TRAIN_SPLIT, MaskingCollator
 from mlm_ddp.model import load_model, load_model_config, load_tokenizer, max_positions, mlm_loss_sums
 
@@ -106,34 +105,6 @@ def check_trackers(cfg: Config) -> list[str]:
 # ---------------------------------------------------------------------------------------------
 # Helpers beside the loop: data positions, evaluation, metrics, checkpoints
 # ---------------------------------------------------------------------------------------------
-
-
-def micro_batches(
-    loader: DataLoader, collator: MaskingCollator, epoch: int, start: int
-) -> Iterator[tuple[int, int, bool, dict[str, torch.Tensor]]]:
-    """(epoch, index in epoch, last of its epoch?, batch) across epochs, from (epoch, start) on.
-
-    A map-style loader resumes by index (nothing is read twice); a stream re-reads `start` batches.
-    """
-    stream = isinstance(loader.dataset, IterableDataset)
-    while True:
-        collator.set_epoch(epoch)
-        if stream:
-            loader.dataset.set_epoch(epoch)  # reseeds the shuffle buffer
-        else:
-            loader.batch_sampler.set_epoch(epoch, start)
-        it = iter(loader)
-        if stream:
-            for _ in range(start):
-                next(it)
-        index, upcoming = start, next(it, None)
-        if upcoming is None:
-            raise RuntimeError(f"epoch {epoch} of the training data yields no batch on this rank")
-        while upcoming is not None:
-            current, upcoming = upcoming, next(it, None)
-            yield epoch, index, upcoming is None, current
-            index += 1
-        epoch, start = epoch + 1, 0
 
 
 def evaluate_mlm(model: torch.nn.Module, loader: DataLoader | None, accelerator: Accelerator,
@@ -252,16 +223,25 @@ def train(cfg: Config) -> TrainResult:
 
     # --- 2. processes, data, model -----------------------------------------------------------
     t = cfg.training
+    topo = dist.detect()
+    dist.export_for_accelerate(topo)
     accelerator = Accelerator(
+        cpu=not topo.cuda_devices,  # else a CPU process started by torchrun or srun trains alone
         mixed_precision=t.mixed_precision,  # from our config, so every launcher trains alike
         gradient_accumulation_plugin=GradientAccumulationPlugin(
             num_steps=t.gradient_accumulation_steps, sync_with_dataloader=False),
         log_with=trackers or None,
         project_dir=str(out),
     )
+    dist.check_accelerator(topo, accelerator.num_processes, str(accelerator.distributed_type))
     rank, world = accelerator.process_index, accelerator.num_processes
     if accelerator.device.type == "cpu":
-        torch.set_num_threads(cpu_threads_per_process(t.cpu_threads))
+        torch.set_num_threads(dist.cpu_threads_per_process(t.cpu_threads))
+    asked = dist.launcher_precision()
+    if asked is not None and asked != t.mixed_precision:
+        logger.warning("the accelerate config asks for mixed precision %s; mlm_ddp trains with "
+                       "--mixed_precision %s (training choices come from the mlm_ddp config: pass "
+                       "--mixed_precision %s to use it)", asked, t.mixed_precision, asked)
     if accelerator.is_main_process:
         if cfg.run.overwrite_output_dir:
             for name in RUN_OUTPUTS:
@@ -275,8 +255,8 @@ def train(cfg: Config) -> TrainResult:
     accelerator.wait_for_everyone()
 
     with accelerator.main_process_first():  # rank 0 tokenizes into the datasets cache, the rest read it
-        train_ds = mdata.tokenize_dataset(raw_train, tokenizer, cfg.data, shuffle_seed=t.seed)
-        eval_ds = None if raw_eval is None else mdata.tokenize_dataset(raw_eval, tokenizer, cfg.data)
+        train_ds = mdata.rank_dataset(raw_train, tokenizer, cfg.data, rank, world, shuffle_seed=t.seed)
+        eval_ds = None if raw_eval is None else mdata.rank_dataset(raw_eval, tokenizer, cfg.data, rank, world)
         metric = evaluate.load(METRIC_MODULE)
     collator_args = dict(mask_token_id=tokenizer.mask_token_id, pad_token_id=tokenizer.pad_token_id,
                          special_ids=tokenizer.all_special_ids, vocab_size=len(tokenizer),
@@ -291,18 +271,18 @@ def train(cfg: Config) -> TrainResult:
 
     ga = t.gradient_accumulation_steps
     if isinstance(train_ds, IterableDataset):
-        batches_per_epoch = None
         total_steps = t.max_train_steps
-        data_note = "streaming, tokenized on the fly"
+        data_note = (f"streaming, tokenized on the fly; {mdata.stream_sharding(raw_train.num_shards, world)}; "
+                     "an epoch ends for all ranks when the first rank's part ends")
     else:
         sampler = train_dl.batch_sampler
-        batches_per_epoch = sampler.batches_per_epoch
-        total_steps = t.max_train_steps or max(1, math.floor(t.num_train_epochs * batches_per_epoch / ga))
+        total_steps = t.max_train_steps or max(1, math.floor(t.num_train_epochs * sampler.batches_per_epoch / ga))
         stats = mdata.pack_stats(train_ds, cfg.data.max_seq_length)
         data_note = (f"{stats.blocks} blocks of {cfg.data.max_seq_length} tokens ({stats.tokens} tokens, "
                      f"{stats.short_blocks} shorter tail blocks, {stats.pad_fraction:.2%} padding), "
-                     f"{batches_per_epoch} micro-batches per epoch per rank, {sampler.padding} blocks "
-                     "repeated to fill the last global batch")
+                     f"{sampler.batches_per_epoch} micro-batches per epoch per rank, {sampler.padding} "
+                     "blocks repeated to fill the last global batch; rank r takes slice r of every "
+                     "global batch")
 
     set_seed(t.seed)  # the fresh MLM head (if any) is initialised identically on every rank
     model = load_model(cfg.model, model_config)
@@ -328,10 +308,12 @@ def train(cfg: Config) -> TrainResult:
         accelerator.init_trackers("logs", config={k: v for s in cfg.to_dict().values() for k, v in s.items()
                                                   if isinstance(v, (int, float, str, bool))})
 
-    logger.info("topology: %d process(es), %s; global batch %d = %d per device x %d processes x %d "
-                "accumulation; precision %s; device %s (%d threads)", world, accelerator.distributed_type,
-                t.per_device_train_batch_size * world * ga, t.per_device_train_batch_size, world, ga,
-                t.mixed_precision, accelerator.device, torch.get_num_threads())
+    logger.info("topology: %d process(es) on %d node(s), %s, started by %s (master %s:%s); global batch "
+                "%d = %d per device x %d processes x %d accumulation; precision %s; device %s (%d threads)",
+                world, topo.num_nodes, accelerator.distributed_type, topo.launcher, topo.master_addr or "-",
+                topo.master_port or "-", t.per_device_train_batch_size * world * ga,
+                t.per_device_train_batch_size, world, ga, t.mixed_precision, accelerator.device,
+                torch.get_num_threads())
     logger.info("data: %s; %d optimizer steps", data_note, total_steps)
 
     # --- 3. the loop ------------------------------------------------------------------------
@@ -345,7 +327,11 @@ def train(cfg: Config) -> TrainResult:
                         eval_before["loss"], eval_before["perplexity"], eval_before["accuracy"])
 
     device = accelerator.device
-    batches = micro_batches(train_dl, train_collator, state.epoch, state.batch_in_epoch)
+    def any_rank(flag: bool) -> bool:
+        """True on every rank when `flag` is true on any rank (a collective)."""
+        return accelerator.reduce(torch.tensor(float(flag), device=device), reduction="sum").item() > 0
+
+    feed = mdata.TrainFeed(train_dl, train_collator, ga, state.epoch, state.batch_in_epoch, any_rank)
     sums = torch.zeros(3, dtype=torch.float64, device=device)  # since last log: loss, masked, input tokens
     tokens_base, tokens_local = state.tokens_seen, torch.zeros((), dtype=torch.float64, device=device)
 
@@ -359,8 +345,12 @@ def train(cfg: Config) -> TrainResult:
     eval_after: dict[str, float] | None = None
     model.train()
     while step < total_steps:
-        window = [next(batches) for _ in range(ga)]
-        micro = [mdata.to_device(b, device) for *_, b in window]
+        epoch_before = feed.epoch
+        micro = [mdata.to_device(b, device) for b in feed.next_window()]
+        if feed.stream and feed.epoch != epoch_before:
+            logger.info("step %d: epoch %d of the stream ended on every rank after %d micro-batches, when the "
+                        "first rank's part ran out (micro-batches of partial steps dropped so far, rank 0: %d)",
+                        step + 1, epoch_before, feed.last_epoch_batches, feed.dropped_batches)
         # normalise by the masked tokens of the whole optimizer step, all ranks and micro-batches
         masked = accelerator.reduce(sum((b["labels"] != IGNORE_INDEX).sum() for b in micro), reduction="sum")
         scale = world * ga / masked.clamp(min=1)  # DDP averages over ranks, backward() divides by ga
@@ -378,9 +368,8 @@ def train(cfg: Config) -> TrainResult:
         scheduler.step()
         step += 1
         progress.update(1)
-        epoch, index, last_in_epoch, _ = window[-1]
-        position = (epoch + 1, 0) if last_in_epoch else (epoch, index + 1)
-        epoch_float = epoch + (index + 1) / batches_per_epoch if batches_per_epoch else float(epoch)
+        epoch_float = feed.epoch_float
+        epoch_ended = not feed.stream and feed.index == 0  # map-style only: streams refuse "epoch"
 
         record: dict[str, Any] = {}
         if step % cfg.run.logging_steps == 0 or step == total_steps:
@@ -404,8 +393,9 @@ def train(cfg: Config) -> TrainResult:
             if trackers:
                 accelerator.log({k: v for k, v in record.items() if k != "step"}, step=step)
         every = cfg.run.checkpointing_steps
-        if (every == "epoch" and last_in_epoch) or (every not in (None, "epoch") and step % int(every) == 0):
-            save_checkpoint(accelerator, cfg, ckpt.TrainerState(step, *position, tokens_total(), world))
+        if (every == "epoch" and epoch_ended) or (every not in (None, "epoch") and step % int(every) == 0):
+            save_checkpoint(accelerator, cfg,
+                            ckpt.TrainerState(step, feed.epoch, feed.index, tokens_total(), world))
     progress.close()
 
     # --- 4. outputs --------------------------------------------------------------------------
