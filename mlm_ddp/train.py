@@ -14,6 +14,7 @@ import math
 import shutil
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,7 @@ import evaluate
 import torch
 from accelerate import Accelerator
 from accelerate.logging import get_logger
-from accelerate.utils import GradientAccumulationPlugin, set_seed
+from accelerate.utils import DistributedType, GradientAccumulationPlugin, set_seed
 from datasets import IterableDataset
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
@@ -107,18 +108,46 @@ def check_trackers(cfg: Config) -> list[str]:
 # ---------------------------------------------------------------------------------------------
 
 
+def sharded(accelerator: Accelerator) -> bool:
+    """FSDP shards the parameters: every forward is a collective and the model is not whole anywhere."""
+    return accelerator.distributed_type == DistributedType.FSDP
+
+
+def eval_batches(loader: DataLoader, accelerator: Accelerator) -> Iterator[dict[str, torch.Tensor]]:
+    """This rank's eval batches on its device; under FSDP padded to the same count on every rank."""
+    if not sharded(accelerator):
+        yield from (mdata.to_device(batch, accelerator.device) for batch in loader)
+        return
+    batches = list(loader)  # an eval set is small; a stream has no len() to compare across ranks
+    count = torch.tensor(len(batches), device=accelerator.device)
+    for batch in padded(batches, int(accelerator.reduce(count, reduction="max"))):
+        yield mdata.to_device(batch, accelerator.device)
+
+
+def padded(batches: list[dict[str, torch.Tensor]], total: int) -> Iterator[dict[str, torch.Tensor]]:
+    """`batches`, then idle batches up to `total`: one token with nothing to predict, (1, 1), which
+    adds 0 to every eval sum."""
+    yield from batches
+    for _ in range(total - len(batches)):
+        yield {"input_ids": torch.zeros(1, 1, dtype=torch.long), "attention_mask": torch.ones(1, 1, dtype=torch.long),
+               "labels": torch.full((1, 1), IGNORE_INDEX)}
+
+
 def evaluate_mlm(model: torch.nn.Module, loader: DataLoader | None, accelerator: Accelerator,
                  metric: Any) -> dict[str, float] | None:
     """Per-token eval loss, perplexity and accuracy: sums reduced across ranks, then divided."""
     if loader is None:
         return None
-    net = accelerator.unwrap_model(model)  # no DDP collectives inside the loop: ranks may differ in batches
+    # DDP: the plain module, so ranks with different numbers of eval batches run no collectives.
+    # FSDP: the forward gathers parameters from every rank, so all ranks run the same number of
+    # forwards (eval_batches).
+    net = model if sharded(accelerator) else accelerator.unwrap_model(model)
     was_training = net.training
     net.eval()
     sums = torch.zeros(3, dtype=torch.float64, device=accelerator.device)  # loss, masked, correct
     with torch.no_grad(), accelerator.autocast():
-        for batch in loader:
-            loss_sum, masked, correct = mlm_loss_sums(net, mdata.to_device(batch, accelerator.device))
+        for batch in eval_batches(loader, accelerator):
+            loss_sum, masked, correct = mlm_loss_sums(net, batch)
             sums += torch.stack([loss_sum.double(), masked.double(), correct.double()])
     net.train(was_training)
     loss_sum, masked, correct = accelerator.reduce(sums, reduction="sum").tolist()
@@ -176,10 +205,11 @@ def save_final(accelerator: Accelerator, model: torch.nn.Module, tokenizer: Any,
     """save_pretrained model + tokenizer into out/final, via a temporary folder renamed at the end."""
     final, tmp = out / "final", out / ".tmp-final"
     accelerator.wait_for_everyone()
+    weights = accelerator.get_state_dict(model)  # every rank: FSDP gathers the shards to rank 0
     if accelerator.is_main_process:
         if tmp.exists():
             shutil.rmtree(tmp)
-        accelerator.unwrap_model(model).save_pretrained(tmp, safe_serialization=True)
+        accelerator.unwrap_model(model).save_pretrained(tmp, state_dict=weights, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         if final.exists():
             shutil.rmtree(final)

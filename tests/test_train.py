@@ -220,3 +220,22 @@ def test_unfinished_run_points_to_resume(tiny_model: Path, corpus: dict, tmp_pat
 def test_main_exit_code_through_python_m(tiny_model: Path, corpus: dict, tmp_path: Path) -> None:
     proc = run_module(["mlm_ddp.train", *tiny_args(tiny_model, corpus, tmp_path / "o", "--max_seq_length", "999")])
     assert proc.returncode == 2 and "--max_seq_length 999 is above" in proc.stderr
+
+
+def test_fsdp_eval_padding_adds_nothing_to_the_sums(tiny_model: Path) -> None:
+    # under FSDP every rank runs as many eval forwards as the rank with the most batches; the idle
+    # ones must run through the real model and leave loss, masked and correct counts at 0
+    import torch
+    from transformers import AutoModelForMaskedLM
+
+    from mlm_ddp.model import mlm_loss_sums
+    from mlm_ddp.train import padded
+
+    model = AutoModelForMaskedLM.from_pretrained(tiny_model).eval()
+    real = {"input_ids": torch.tensor([[2, 40, 50, 3]]), "attention_mask": torch.ones(1, 4, dtype=torch.long),
+            "labels": torch.tensor([[-100, 40, -100, -100]])}
+    batches = list(padded([real], 3))
+    assert len(batches) == 3 and batches[0] is real
+    with torch.no_grad():
+        sums = [torch.stack([t.double() for t in mlm_loss_sums(model, b)]) for b in batches]
+    assert sums[0][1] == 1 and sums[1].tolist() == sums[2].tolist() == [0.0, 0.0, 0.0]
