@@ -123,7 +123,7 @@ def test_launcher_precision_is_read_but_only_when_asked() -> None:
 
 def test_doctor_under_plain_torchrun_forms_a_real_group() -> None:
     # a plain Accelerator() under torchrun on a CPU runs each process alone (state NO): show that,
-    # then that the doctor (and train(), which builds its Accelerator the same way) really connect
+    # then that the doctor really connects (train() under plain torchrun: the uneven-stream test)
     naive = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
          "--no-python", sys.executable, "-c",
@@ -281,10 +281,13 @@ def test_uneven_stream_parts_end_every_epoch_together(tiny_model: Path, tmp_path
     corpus = {"train": train_file, "valid": train_file}
     out = tmp_path / "run"
     steps = 60
-    proc = launch_with("cpu_ddp.yaml", *tiny_args(tiny_model, corpus, out, "--streaming", "--max_train_steps",
-                                                  str(steps), "--shuffle_buffer_size", "16",
-                                                  "--max_eval_samples", "8"))
+    # started by a plain torchrun, which train() must also turn into one real group of 2
+    proc = run_module(["torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+                       "-m", "mlm_ddp.train",
+                       *tiny_args(tiny_model, corpus, out, "--streaming", "--max_train_steps", str(steps),
+                                  "--shuffle_buffer_size", "16", "--max_eval_samples", "8")])
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "topology: 2 process(es) on 1 node(s), DistributedType.MULTI_CPU, started by torchrun" in proc.stderr
     assert "1 shard(s) over 2 ranks: each rank reads every raw text and keeps one in 2" in proc.stderr
     pattern = r"step (\d+): epoch (\d) of the stream ended on every rank after (\d+) micro-batches"
     ends = re.findall(pattern, proc.stderr)
