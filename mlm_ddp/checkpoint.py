@@ -1,10 +1,11 @@
 """Checkpoint folders: written whole or not at all, found newest-complete-first.
 
-Layout: `output_dir/checkpoints/step-0000500/` holding accelerate's `save_state` files (model,
-optimizer, scheduler, RNG states of every rank), `trainer_state.json` (counters and data position),
-`config.yaml` (the resolved config of the run) and, written last, the marker `COMPLETE`. A save goes
-to `.tmp-step-*` first and is renamed into place only when complete, so a crash mid-save never leaves
-a folder that `latest` would pick up.
+Layout: `output_dir/checkpoints/step-0000500/` holding accelerate's `save_state` files (model in
+safetensors, optimizer, RNG states of every rank; all loaded with `weights_only=True`),
+`scheduler.json`, `trainer_state.json` (counters and data position), `config.yaml` (the resolved
+config of the run) and, written last, the marker `COMPLETE`. A save goes to `.tmp-step-*` first, is
+fsynced, and is renamed into place only when complete, so a crash mid-save never leaves a folder
+that `latest` would pick up.
 """
 
 from __future__ import annotations
@@ -13,13 +14,29 @@ import json
 import os
 import re
 import shutil
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+import yaml
 
 from mlm_ddp.config import ConfigError
 
 MARKER = "COMPLETE"
 STATE_FILE = "trainer_state.json"
+SCHEDULER_FILE = "scheduler.json"
+# Fault injection for the crash-safety test: seconds to sleep after the files are written and before
+# the marker, widening the window in which a kill leaves a half-written checkpoint.
+SLOW_SAVE_ENV = "MLM_DDP_TEST_SLOW_SAVE_S"
+# Settings that may differ on resume: they change what is logged or kept and how long the run goes,
+# not what an optimizer step computes. Any other change is refused.
+RESUMABLE_CHANGES = {
+    "run.output_dir", "run.overwrite_output_dir", "run.logging_steps", "run.eval_steps",
+    "run.checkpointing_steps", "run.save_total_limit", "run.resume_from_checkpoint", "run.with_tracking",
+    "run.report_to", "run.stop_signals", "run.ddp_timeout", "run.preprocessing_timeout",
+    "run.on_nonfinite_loss", "training.max_train_steps", "training.num_train_epochs", "training.cpu_threads",
+    "data.preprocessing_num_workers",
+}
 _STEP_DIR = re.compile(r"^step-(\d{7,})$")
 
 
@@ -89,6 +106,49 @@ def read_state(path: Path) -> TrainerState:
         raise ConfigError(f"{path / STATE_FILE}: unreadable trainer state ({err})") from err
 
 
+def config_changes(saved: dict, current: dict) -> dict[str, tuple[object, object]]:
+    """'section.key' -> (saved value, current value) for every setting that differs."""
+    changes = {}
+    for section in sorted(set(saved) | set(current)):
+        old, new = saved.get(section) or {}, current.get(section) or {}
+        for key in sorted(set(old) | set(new)):
+            if old.get(key) != new.get(key):
+                changes[f"{section}.{key}"] = (old.get(key), new.get(key))
+    return changes
+
+
+def check_resume(path: Path, current: dict, world_size: int) -> tuple[TrainerState, dict]:
+    """The state to continue from, after checking that this run may continue it; also returns the
+    accepted config changes (to be logged). Refusals name what differs."""
+    state = read_state(path)
+    if state.world_size != world_size:
+        raise ConfigError(
+            f"{path} was written by {state.world_size} process(es) and this run has {world_size}: each "
+            f"process's RNG state and data position are saved, so resume with {state.world_size} "
+            "process(es) (and the same per-device batch)"
+        )
+    expected = [STATE_FILE, SCHEDULER_FILE, "config.yaml", "model.safetensors", "optimizer.bin",
+                *(f"random_states_{rank}.pkl" for rank in range(world_size))]
+    missing = [name for name in expected if not (path / name).is_file()]
+    if missing:
+        raise ConfigError(f"{path}: not a checkpoint of this mlm_ddp version, or damaged: missing "
+                          f"{', '.join(missing)}")
+    try:
+        saved = yaml.safe_load((path / "config.yaml").read_text())
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path / 'config.yaml'}: unreadable ({err})") from err
+    changes = config_changes(saved if isinstance(saved, dict) else {}, current)
+    refused = {k: v for k, v in changes.items() if k not in RESUMABLE_CHANGES}
+    if refused:
+        listed = "; ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in refused.items())
+        raise ConfigError(
+            f"{path} was written with other settings ({listed}). They change what a step computes, so "
+            "the resumed run would not continue the same training: resume with the checkpoint's "
+            "settings (its config.yaml), or start a new run in another --output_dir"
+        )
+    return state, changes
+
+
 def temp_dir(output_dir: str | Path, step: int) -> Path:
     return checkpoints_dir(output_dir) / f".tmp-{step_dir_name(step)}"
 
@@ -110,6 +170,8 @@ def finalize(tmp: Path, state: TrainerState, config_yaml: str) -> Path:
     (tmp / STATE_FILE).write_text(json.dumps(asdict(state), indent=1))
     (tmp / "config.yaml").write_text(config_yaml)
     _fsync_tree(tmp)
+    if os.environ.get(SLOW_SAVE_ENV):
+        time.sleep(float(os.environ[SLOW_SAVE_ENV]))
     (tmp / MARKER).write_text("ok\n")
     _fsync_tree(tmp)
     final = tmp.parent / step_dir_name(state.step)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import signal
 import sys
 import typing
 from dataclasses import dataclass, field
@@ -209,6 +210,27 @@ class RunConfig:
         "Trackers for --with_tracking: 'tensorboard', 'wandb', 'mlflow', a comma list, or 'all'.",
         default="tensorboard",
     )
+    stop_signals: str = _doc(
+        "Signals (comma list) on which every process saves one checkpoint at the next optimizer step "
+        "and exits with code 75, to be requeued and resumed; '' to keep the default actions.",
+        default="SIGTERM,SIGUSR1,SIGUSR2",
+    )
+    ddp_timeout: int = _doc(
+        "Seconds a collective waits for the other processes before the run fails: when a process "
+        "dies, the others stop within this time instead of hanging.",
+        default=120,
+    )
+    preprocessing_timeout: int = _doc(
+        "Seconds the other processes wait for the main process to tokenize a map-style data set "
+        "into the datasets cache (a large corpus takes longer than --ddp_timeout).",
+        default=10800,
+    )
+    on_nonfinite_loss: Literal["stop", "skip"] = _doc(
+        "A step whose gradients are NaN or inf: 'stop' the run (exit 3, naming the last good "
+        "checkpoint) or 'skip' that optimizer step (counted). fp16 overflow steps are the grad "
+        "scaler's business and never count.",
+        default="stop",
+    )
 
     def __post_init__(self) -> None:
         if not self.output_dir:
@@ -226,6 +248,17 @@ class RunConfig:
                     f"--checkpointing_steps must be a positive integer or 'epoch', got {value!r}"
                 )
             self.checkpointing_steps = value
+        for name in self.signal_names():
+            if not hasattr(signal, name) or name in ("SIGKILL", "SIGSTOP"):
+                raise ConfigError(f"--stop_signals: {name!r} is not a signal that can be caught; "
+                                  "use names like SIGTERM,SIGUSR1")
+        timeouts = {"--ddp_timeout": self.ddp_timeout, "--preprocessing_timeout": self.preprocessing_timeout}
+        for flag, value in timeouts.items():
+            if value < 1:
+                raise ConfigError(f"{flag} must be at least 1 second, got {value}")
+
+    def signal_names(self) -> list[str]:
+        return [n.strip().upper() for n in self.stop_signals.split(",") if n.strip()]
 
 
 SECTIONS: dict[str, type] = {

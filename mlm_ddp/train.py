@@ -11,11 +11,15 @@ import importlib.util
 import json
 import logging
 import math
+import pickle
 import shutil
+import signal
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +27,7 @@ import evaluate
 import torch
 from accelerate import Accelerator
 from accelerate.logging import get_logger
-from accelerate.utils import DistributedType, GradientAccumulationPlugin, set_seed
+from accelerate.utils import DistributedType, GradientAccumulationPlugin, InitProcessGroupKwargs, set_seed
 from datasets import IterableDataset
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
@@ -40,6 +44,44 @@ logger = get_logger(__name__)
 METRIC_MODULE = str(Path(__file__).parent / "metrics" / "masked_lm")
 RUN_OUTPUTS = ("config.yaml", "metrics.jsonl", "summary.json", "final", "checkpoints", "logs")
 KNOWN_TRACKERS = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
+# Exit codes of `main`, for launchers and schedulers. 75 is sysexits' EX_TEMPFAIL: "try again later".
+EXIT_BAD_INPUT, EXIT_NONFINITE, EXIT_REQUEUE, EXIT_FAILED = 2, 3, 75, 1
+STOPPED_FILE = "stopped.json"  # why a run stopped early; torchrun turns every worker exit code into 1
+
+
+class Preempted(Exception):
+    """A stop signal arrived; every process saved the same checkpoint. Exit EXIT_REQUEUE."""
+
+
+class NonFiniteLoss(Exception):
+    """Gradients were NaN or inf and --on_nonfinite_loss is 'stop'. Exit EXIT_NONFINITE."""
+
+
+class CheckpointWriteError(Exception):
+    """A checkpoint could not be written (disk full, ...); the previous complete one is intact."""
+
+
+class StopSignals:
+    """Remembers the first stop signal. The handler only sets a flag, so the loop decides when to
+    stop (at an optimizer-step boundary, all ranks together) and a second signal during the save
+    changes nothing."""
+
+    def __init__(self, names: list[str]) -> None:
+        self.names, self.received, self._previous = names, None, {}
+
+    def _handle(self, signum: int, _frame: Any) -> None:
+        if self.received is None:
+            self.received = signal.Signals(signum).name
+
+    def __enter__(self) -> StopSignals:
+        for name in self.names:
+            self._previous[name] = signal.signal(getattr(signal, name), self._handle)
+        return self
+
+    def __exit__(self, *_exc: Any) -> None:
+        for name, handler in self._previous.items():
+            signal.signal(getattr(signal, name), handler)
+
 
 
 @dataclass
@@ -183,22 +225,54 @@ class MetricsFile:
         return None
 
 
-def save_checkpoint(accelerator: Accelerator, cfg: Config, state: ckpt.TrainerState) -> Path:
-    """Every rank writes its part into a temporary folder; the main process completes and renames it."""
+def save_checkpoint(accelerator: Accelerator, cfg: Config, state: ckpt.TrainerState, scheduler: Any) -> Path:
+    """Every rank writes its part into a temporary folder; the main process completes and renames it.
+
+    If any rank fails to write (disk full, quota, ...), all ranks learn it, the temporary folder is
+    removed and CheckpointWriteError names the previous complete checkpoint, which stays usable.
+    """
     tmp = ckpt.temp_dir(cfg.run.output_dir, state.step)
+    final = ckpt.checkpoints_dir(cfg.run.output_dir) / ckpt.step_dir_name(state.step)
     if accelerator.is_main_process and tmp.exists():
         shutil.rmtree(tmp)  # the leftovers of a save that was interrupted
     accelerator.wait_for_everyone()
-    accelerator.save_state(str(tmp))
-    accelerator.wait_for_everyone()
-    final = ckpt.checkpoints_dir(cfg.run.output_dir) / ckpt.step_dir_name(state.step)
+    error: Exception | None = None
+    try:
+        accelerator.save_state(str(tmp))
+    except Exception as err:  # safetensors and torch.save report a full disk in their own types
+        error = err
+    _agree_saved(accelerator, cfg, tmp, final, error)
     if accelerator.is_main_process:
-        final = ckpt.finalize(tmp, state, cfg.to_yaml())
+        try:
+            # JSON, not a pickle: a resume never unpickles what the user did not write
+            (tmp / ckpt.SCHEDULER_FILE).write_text(json.dumps(scheduler.state_dict()))
+            final = ckpt.finalize(tmp, state, cfg.to_yaml())
+        except Exception as err:
+            error = err
+    _agree_saved(accelerator, cfg, tmp, final, error)
+    if accelerator.is_main_process:
         for gone in ckpt.rotate(cfg.run.output_dir, cfg.run.save_total_limit):
             logger.info("deleted old checkpoint %s (--save_total_limit %s)", gone.name, cfg.run.save_total_limit)
         logger.info("saved checkpoint %s", final)
     accelerator.wait_for_everyone()
     return final
+
+
+def _agree_saved(accelerator: Accelerator, cfg: Config, tmp: Path, final: Path, error: Exception | None) -> None:
+    """A collective: raise CheckpointWriteError on every rank if the save failed on any rank."""
+    failed = torch.tensor(float(error is not None), device=accelerator.device)
+    if accelerator.reduce(failed, reduction="sum").item() == 0:
+        return
+    if accelerator.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)
+    done = ckpt.complete_checkpoints(cfg.run.output_dir)
+    previous = done[-1] if done else None
+    cause = f"{type(error).__name__}: {error}" if error is not None else "failed on another process"
+    raise CheckpointWriteError(
+        f"checkpoint {final.name} could not be written ({cause}); "
+        + (f"the previous checkpoint {previous} is complete and intact: free space or fix the folder, "
+           "then resume with --resume_from_checkpoint latest" if previous else "no earlier checkpoint exists")
+    )
 
 
 def save_final(accelerator: Accelerator, model: torch.nn.Module, tokenizer: Any, out: Path) -> Path:
@@ -218,6 +292,51 @@ def save_final(accelerator: Accelerator, model: torch.nn.Module, tokenizer: Any,
     return final
 
 
+def preempt(accelerator: Accelerator, cfg: Config, position: ckpt.TrainerState, scheduler: Any,
+            signal_name: str | None, already_saved: bool) -> None:
+    """Every rank: save one checkpoint at this step boundary (unless it exists), note why, raise."""
+    path = ckpt.checkpoints_dir(cfg.run.output_dir) / ckpt.step_dir_name(position.step)
+    if not already_saved:
+        path = save_checkpoint(accelerator, cfg, position, scheduler)
+    reason = f"signal {signal_name}" if signal_name else "a stop signal on another process"
+    if accelerator.is_main_process:
+        (Path(cfg.run.output_dir) / STOPPED_FILE).write_text(json.dumps(
+            {"reason": reason, "step": position.step, "checkpoint": str(path), "exit_code": EXIT_REQUEUE}))
+    accelerator.wait_for_everyone()
+    raise Preempted(f"stopped at step {position.step} on {reason}; checkpoint {path} saved. Requeue the job "
+                    "with --resume_from_checkpoint latest to continue")
+
+
+def restore(accelerator: Accelerator, path: Path, scheduler: Any, accepted_changes: dict) -> None:
+    """Load a checkpoint that `ckpt.check_resume` accepted. Tensors come from safetensors or from
+    `torch.load(weights_only=True)` (accelerate's default), the scheduler from JSON: a folder that
+    holds anything else is refused, never executed."""
+    for key, (old, new) in accepted_changes.items():
+        logger.info("resuming with a changed setting: %s %r -> %r", key, old, new)
+    try:
+        accelerator.load_state(str(path))
+        scheduler.load_state_dict(json.loads((path / ckpt.SCHEDULER_FILE).read_text()))
+    except (pickle.UnpicklingError, RuntimeError, ValueError, KeyError, OSError, EOFError) as err:
+        raise ConfigError(f"{path}: cannot be resumed from ({type(err).__name__}: {str(err)[:400]}); it is "
+                          "damaged, from another model, or not written by mlm_ddp") from err
+
+
+@contextmanager
+def patient_main_process_first(accelerator: Accelerator, timeout_s: int) -> Iterator[None]:
+    """Like accelerate's main_process_first, but the others wait on a separate group with a long
+    timeout: tokenizing a large corpus must not trip --ddp_timeout (transformers #17106)."""
+    group = None
+    if accelerator.num_processes > 1:
+        group = torch.distributed.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+    if group is not None and not accelerator.is_main_process:
+        torch.distributed.barrier(group=group)
+    yield
+    if group is not None and accelerator.is_main_process:
+        torch.distributed.barrier(group=group)
+    if group is not None:
+        torch.distributed.destroy_process_group(group)
+
+
 def build_optimizer(model: torch.nn.Module, cfg: Config) -> torch.optim.Optimizer:
     """AdamW; biases and normalisation weights (every tensor with < 2 dims) get no weight decay."""
     params = [p for p in model.parameters() if p.requires_grad]
@@ -235,6 +354,13 @@ def build_optimizer(model: torch.nn.Module, cfg: Config) -> torch.optim.Optimize
 
 
 def train(cfg: Config) -> TrainResult:
+    """Fine-tune as `cfg` says. Raises ConfigError (bad input), Preempted (a stop signal: saved),
+    NonFiniteLoss, CheckpointWriteError; `main` maps them to exit codes."""
+    with StopSignals(cfg.run.signal_names()) as stop:
+        return _train(cfg, stop)
+
+
+def _train(cfg: Config, stop: StopSignals) -> TrainResult:
     t0 = time.perf_counter()
     out = Path(cfg.run.output_dir)
     # --- 1. every input is checked before anything is written -------------------------------
@@ -247,19 +373,25 @@ def train(cfg: Config) -> TrainResult:
     if len(tokenizer) > model_config.vocab_size:
         raise ConfigError(f"the tokenizer has {len(tokenizer)} tokens but the model's vocabulary only "
                           f"{model_config.vocab_size}; pass the model's own tokenizer")
+    topo = dist.detect()
     resume_from = check_output_dir(cfg)
+    state = ckpt.TrainerState(step=0, epoch=0, batch_in_epoch=0, tokens_seen=0, world_size=topo.world_size)
+    accepted_changes: dict = {}
+    if resume_from is not None:
+        state, accepted_changes = ckpt.check_resume(resume_from, cfg.to_dict(), topo.world_size)
     trackers = check_trackers(cfg)
     raw_train, raw_eval = mdata.load_text(cfg.data, cfg.training.seed)
 
     # --- 2. processes, data, model -----------------------------------------------------------
     t = cfg.training
-    topo = dist.detect()
     dist.export_for_accelerate(topo)
     accelerator = Accelerator(
         cpu=not topo.cuda_devices,  # else a CPU process started by torchrun or srun trains alone
         mixed_precision=t.mixed_precision,  # from our config, so every launcher trains alike
         gradient_accumulation_plugin=GradientAccumulationPlugin(
             num_steps=t.gradient_accumulation_steps, sync_with_dataloader=False),
+        # fail fast: when a process dies, the others stop within this time instead of hanging
+        kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=cfg.run.ddp_timeout))],
         log_with=trackers or None,
         project_dir=str(out),
     )
@@ -284,7 +416,7 @@ def train(cfg: Config) -> TrainResult:
         (out / "config.yaml").write_text(cfg.to_yaml())
     accelerator.wait_for_everyone()
 
-    with accelerator.main_process_first():  # rank 0 tokenizes into the datasets cache, the rest read it
+    with patient_main_process_first(accelerator, cfg.run.preprocessing_timeout):
         train_ds = mdata.rank_dataset(raw_train, tokenizer, cfg.data, rank, world, shuffle_seed=t.seed)
         eval_ds = None if raw_eval is None else mdata.rank_dataset(raw_eval, tokenizer, cfg.data, rank, world)
         metric = evaluate.load(METRIC_MODULE)
@@ -319,19 +451,14 @@ def train(cfg: Config) -> TrainResult:
     optimizer = build_optimizer(model, cfg)
     scheduler = get_scheduler(t.lr_scheduler_type, optimizer, num_warmup_steps=t.num_warmup_steps,
                               num_training_steps=total_steps)
-    # the scheduler is stepped by us once per optimizer step, so it is not prepared, only checkpointed
+    # the scheduler is stepped by us once per optimizer step: not prepared, saved as JSON
     model, optimizer = accelerator.prepare(model, optimizer)
-    accelerator.register_for_checkpointing(scheduler)
-
-    state = ckpt.TrainerState(step=0, epoch=0, batch_in_epoch=0, tokens_seen=0, world_size=world)
     if resume_from is not None:
-        state = ckpt.read_state(resume_from)
-        if state.world_size != world:
-            raise ConfigError(f"{resume_from} was written by {state.world_size} processes and this run "
-                              f"has {world}; each rank's data position is saved, so resume with "
-                              f"{state.world_size} processes")
-        accelerator.load_state(str(resume_from))
+        restore(accelerator, resume_from, scheduler, accepted_changes)
         logger.info("resumed from %s at step %d", resume_from, state.step)
+    for partial in ckpt.partial_checkpoints(out):
+        logger.warning("ignoring %s: an incomplete checkpoint (no %s marker), left by a save that was "
+                       "interrupted", partial, ckpt.MARKER)
     metrics = MetricsFile(out / "metrics.jsonl", accelerator.is_main_process,
                           state.step if resume_from else None)
     if trackers:
@@ -373,25 +500,46 @@ def train(cfg: Config) -> TrainResult:
                     disable=not accelerator.is_main_process)
     step, last_log, train_start = state.step, time.perf_counter(), time.perf_counter()
     eval_after: dict[str, float] | None = None
+    saved_step = state.step if resume_from else None  # newest complete checkpoint of this run
+    skipped_steps = 0
     model.train()
     while step < total_steps:
-        epoch_before = feed.epoch
+        epoch_before, index_before = feed.epoch, feed.index
         micro = [mdata.to_device(b, device) for b in feed.next_window()]
         if feed.stream and feed.epoch != epoch_before:
             logger.info("step %d: epoch %d of the stream ended on every rank after %d micro-batches, when the "
                         "first rank's part ran out (micro-batches of partial steps dropped so far, rank 0: %d)",
                         step + 1, epoch_before, feed.last_epoch_batches, feed.dropped_batches)
-        # normalise by the masked tokens of the whole optimizer step, all ranks and micro-batches
-        masked = accelerator.reduce(sum((b["labels"] != IGNORE_INDEX).sum() for b in micro), reduction="sum")
+        # one all-reduce per step: the masked tokens of the whole optimizer step (all ranks and
+        # micro-batches; the loss is normalised by them) and whether any rank got a stop signal
+        local = torch.stack([sum((b["labels"] != IGNORE_INDEX).sum() for b in micro).double(),
+                             torch.tensor(float(stop.received is not None), dtype=torch.float64, device=device)])
+        masked, stop_votes = accelerator.reduce(local, reduction="sum")
+        if stop_votes > 0:
+            position = ckpt.TrainerState(step, epoch_before, index_before, tokens_total(), world)
+            preempt(accelerator, cfg, position, scheduler, stop.received, saved_step == step)
         scale = world * ga / masked.clamp(min=1)  # DDP averages over ranks, backward() divides by ga
         for batch in micro:
             with accelerator.accumulate(model):
                 loss_sum, n_masked, _ = mlm_loss_sums(model, batch)
                 accelerator.backward(loss_sum * scale)
-                if accelerator.sync_gradients and t.max_grad_norm > 0:
-                    accelerator.clip_grad_norm_(model.parameters(), t.max_grad_norm)
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
+                if accelerator.sync_gradients:
+                    # the gradients are the same on every rank after DDP's all-reduce, so is this norm:
+                    # every rank takes the same decision below without another collective
+                    norm = accelerator.clip_grad_norm_(model.parameters(), t.max_grad_norm or math.inf)
+                    if t.mixed_precision == "fp16" or torch.isfinite(norm):  # fp16: the scaler skips
+                        optimizer.step()
+                    elif cfg.run.on_nonfinite_loss == "skip":
+                        skipped_steps += 1
+                        logger.warning("step %d: gradient norm %s, optimizer step skipped (%d so far)",
+                                       step + 1, norm.item(), skipped_steps)
+                    else:
+                        latest = ckpt.complete_checkpoints(out)
+                        raise NonFiniteLoss(
+                            f"step {step + 1}: the gradient norm is {norm.item()} (loss or gradients NaN/inf); "
+                            + (f"the last good checkpoint is {latest[-1]}" if latest else "no checkpoint was saved")
+                            + ". Lower --learning_rate, check the data, or pass --on_nonfinite_loss skip")
+                    optimizer.zero_grad(set_to_none=True)
             n_input = batch["attention_mask"].sum()
             sums += torch.stack([loss_sum.detach().double(), n_masked.double(), n_input.double()])
             tokens_local += n_input
@@ -425,8 +573,11 @@ def train(cfg: Config) -> TrainResult:
         every = cfg.run.checkpointing_steps
         if (every == "epoch" and epoch_ended) or (every not in (None, "epoch") and step % int(every) == 0):
             save_checkpoint(accelerator, cfg,
-                            ckpt.TrainerState(step, feed.epoch, feed.index, tokens_total(), world))
+                            ckpt.TrainerState(step, feed.epoch, feed.index, tokens_total(), world), scheduler)
+            saved_step = step
     progress.close()
+    if skipped_steps:
+        logger.warning("%d optimizer step(s) skipped for non-finite gradients", skipped_steps)
 
     # --- 4. outputs --------------------------------------------------------------------------
     tokens_seen = tokens_total()
@@ -463,7 +614,16 @@ def main(argv: list[str] | None = None) -> int:
         train(parse_args(argv))
     except ConfigError as err:
         print(f"mlm_ddp.train: error: {err}", file=sys.stderr)
-        return 2
+        return EXIT_BAD_INPUT
+    except Preempted as err:
+        print(f"mlm_ddp.train: {err} (exit {EXIT_REQUEUE})", file=sys.stderr)
+        return EXIT_REQUEUE
+    except NonFiniteLoss as err:
+        print(f"mlm_ddp.train: error: {err}", file=sys.stderr)
+        return EXIT_NONFINITE
+    except CheckpointWriteError as err:
+        print(f"mlm_ddp.train: error: {err}", file=sys.stderr)
+        return EXIT_FAILED
     return 0
 
 

@@ -4,6 +4,7 @@ loss curve whatever the number of processes or machines (real processes, gloo on
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import socket
@@ -18,7 +19,7 @@ from datasets import Dataset
 
 from mlm_ddp import data as mdata
 from mlm_ddp import distributed as dist
-from mlm_ddp.config import DataConfig
+from mlm_ddp.config import DataConfig, parse_args
 from tests.conftest import NO_DROPOUT, REPO, corpus_paragraphs, read_metrics, run_module, tiny_args, train_losses
 
 CONFIGS = REPO / "accelerate_configs"
@@ -127,7 +128,9 @@ def test_doctor_under_plain_torchrun_forms_a_real_group() -> None:
     naive = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
          "--no-python", sys.executable, "-c",
-         "from accelerate import Accelerator; a = Accelerator(); print('naive', a.num_processes, a.distributed_type)"],
+         # one write() per process: two processes share the pipe, print() would interleave
+         "import os; from accelerate import Accelerator; a = Accelerator(); "
+         "os.write(1, f'naive {a.num_processes} {a.distributed_type}\\n'.encode())"],
         capture_output=True, text=True, timeout=120)
     assert naive.returncode == 0, naive.stderr[-2000:]
     assert naive.stdout.count("naive 1 DistributedType.NO") == 2
@@ -291,7 +294,15 @@ def test_uneven_stream_parts_end_every_epoch_together(tiny_model: Path, tmp_path
     assert "1 shard(s) over 2 ranks: each rank reads every raw text and keeps one in 2" in proc.stderr
     pattern = r"step (\d+): epoch (\d) of the stream ended on every rank after (\d+) micro-batches"
     ends = re.findall(pattern, proc.stderr)
-    assert [(int(s), int(e), int(n)) for s, e, n in ends] == [(25, 0, 24), (49, 1, 24)]
+    # the shorter part is rank 1's: every epoch ends when its batches run out, on both ranks
+    from transformers import AutoTokenizer
+
+    cfg = parse_args(tiny_args(tiny_model, corpus, out, "--streaming", "--max_train_steps", "1",
+                               "--shuffle_buffer_size", "16", "--max_eval_samples", "8"))
+    raw, _ = mdata.load_text(cfg.data, cfg.training.seed)
+    part = mdata.rank_dataset(raw, AutoTokenizer.from_pretrained(tiny_model), cfg.data, 1, 2, shuffle_seed=42)
+    short = math.ceil(sum(1 for _ in part) / 8)  # micro-batches of 8 blocks in rank 1's part
+    assert [(int(s), int(e), int(n)) for s, e, n in ends] == [(short + 1, 0, short), (2 * short + 1, 1, short)]
     records = read_metrics(out)
     assert [r["step"] for r in records if "loss" in r] == list(range(1, steps + 1))
     assert records[-1]["epoch"] == 2
