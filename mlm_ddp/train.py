@@ -11,7 +11,6 @@ import importlib.util
 import json
 import logging
 import math
-import pickle
 import shutil
 import signal
 import sys
@@ -316,7 +315,9 @@ def restore(accelerator: Accelerator, path: Path, scheduler: Any, accepted_chang
     try:
         accelerator.load_state(str(path))
         scheduler.load_state_dict(json.loads((path / ckpt.SCHEDULER_FILE).read_text()))
-    except (pickle.UnpicklingError, RuntimeError, ValueError, KeyError, OSError, EOFError) as err:
+    except torch.distributed.DistError:
+        raise
+    except Exception as err:  # safetensors, torch.load and load_state_dict each have their own types
         raise ConfigError(f"{path}: cannot be resumed from ({type(err).__name__}: {str(err)[:400]}); it is "
                           "damaged, from another model, or not written by mlm_ddp") from err
 
@@ -413,7 +414,6 @@ def _train(cfg: Config, stop: StopSignals) -> TrainResult:
                 elif target.exists():
                     target.unlink()
         out.mkdir(parents=True, exist_ok=True)
-        (out / "config.yaml").write_text(cfg.to_yaml())
     accelerator.wait_for_everyone()
 
     with patient_main_process_first(accelerator, cfg.run.preprocessing_timeout):
@@ -456,6 +456,8 @@ def _train(cfg: Config, stop: StopSignals) -> TrainResult:
     if resume_from is not None:
         restore(accelerator, resume_from, scheduler, accepted_changes)
         logger.info("resumed from %s at step %d", resume_from, state.step)
+    if accelerator.is_main_process:  # only now: a checkpoint that fails to load leaves the run as it was
+        (out / "config.yaml").write_text(cfg.to_yaml())
     for partial in ckpt.partial_checkpoints(out):
         logger.warning("ignoring %s: an incomplete checkpoint (no %s marker), left by a save that was "
                        "interrupted", partial, ckpt.MARKER)
@@ -624,7 +626,27 @@ def main(argv: list[str] | None = None) -> int:
     except CheckpointWriteError as err:
         print(f"mlm_ddp.train: error: {err}", file=sys.stderr)
         return EXIT_FAILED
+    except RuntimeError as err:  # DistError is one; gloo inside DDP's backward raises a plain one
+        topo = dist.detect(cuda_devices=0)
+        if not (topo.distributed and is_collective_failure(err)):
+            raise
+        print(f"mlm_ddp.train: error: {lost_contact(topo, err)}", file=sys.stderr)
+        return EXIT_FAILED
     return 0
+
+
+def is_collective_failure(err: RuntimeError) -> bool:
+    """A peer died, or hung past --ddp_timeout (how gloo and NCCL say so)."""
+    markers = ("gloo", "NCCL", "Connection reset by peer", "Connection closed by peer", "ProcessGroup")
+    return isinstance(err, torch.distributed.DistError) or any(m in str(err) for m in markers)
+
+
+def lost_contact(topo: dist.Topology, err: Exception) -> str:
+    others = [r for r in range(topo.world_size) if r != topo.rank]
+    who = f"rank {others[0]}" if len(others) == 1 else f"one of ranks {', '.join(map(str, others))}"
+    return (f"rank {topo.rank} lost contact with the other process(es) ({who}): a process died, was killed, "
+            f"or hung for longer than --ddp_timeout; the launcher's report or that process's log says which "
+            f"and why. Cause: {type(err).__name__}: {str(err).strip()[:300]}")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,334 @@
+"""Faults, for real: kill -9 during a save, stop signals on one rank, a dead rank, a full disk,
+non-finite gradients, and every kind of bad checkpoint. Each ends with one clear message, the right
+exit code, and nothing lost."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pickle
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from mlm_ddp.checkpoint import SLOW_SAVE_ENV
+from mlm_ddp.train import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_NONFINITE, EXIT_REQUEUE, main
+from tests.conftest import REPO, read_metrics, tiny_args, train_losses
+from tests.test_topology import CONFIGS, LAUNCH, free_port
+
+
+def snapshot(root: Path) -> dict[str, str]:
+    """Every file under root and a hash of its bytes: to prove that nothing was touched."""
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def popen(args: list[str], env: dict | None = None) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", *args], cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1",
+                            **(env or {})}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def wait_for(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def last_step(out: Path) -> int:
+    path = out / "metrics.jsonl"
+    if not path.exists():
+        return 0
+    steps = [json.loads(line).get("step", 0) for line in path.read_text().splitlines() if line.strip()]
+    return max(steps, default=0)
+
+
+def workers_of(launcher_pid: int) -> dict[int, int]:
+    """rank -> pid of the training processes that `accelerate launch` (torchrun in-process) started."""
+    found: dict[int, int] = {}
+    pending = [launcher_pid]
+    while pending:
+        pid = pending.pop()
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            children = (task / "children").read_text().split()
+            pending += [int(c) for c in children]
+            for child in map(int, children):
+                try:
+                    env = dict(kv.split("=", 1) for kv in Path(f"/proc/{child}/environ").read_text().split("\0")
+                               if "=" in kv)
+                except OSError:
+                    continue
+                if "RANK" in env and "mlm_ddp.train" in Path(f"/proc/{child}/cmdline").read_text():
+                    found[int(env["RANK"])] = child
+    return found
+
+
+# --- crash during a save ---------------------------------------------------------------------------
+
+
+def test_kill_9_during_a_save_resumes_from_the_previous_checkpoint(tiny_model: Path, corpus: dict,
+                                                                   tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    args = tiny_args(tiny_model, corpus, out, "--max_train_steps", "6", "--checkpointing_steps", "2")
+    proc = popen(["mlm_ddp.train", *args], env={SLOW_SAVE_ENV: "2"})
+    # every file of step 4 is written; the marker is not: the save is 2 s from complete
+    half = out / "checkpoints" / ".tmp-step-0000004" / "trainer_state.json"
+    try:
+        wait_for(half.exists, 120, "the save of step 4")
+    finally:
+        proc.kill()  # SIGKILL: no handler, no cleanup
+        proc.communicate()
+    assert proc.returncode == -signal.SIGKILL
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [".tmp-step-0000004", "step-0000002"]
+
+    resumed = subprocess.run([sys.executable, "-m", "mlm_ddp.train", *args, "--resume_from_checkpoint", "latest"],
+                             cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "ignoring" in resumed.stderr and ".tmp-step-0000004: an incomplete checkpoint" in resumed.stderr
+    assert "resumed from" in resumed.stderr and "step-0000002 at step 2" in resumed.stderr
+    assert [r["step"] for r in read_metrics(out) if "loss" in r] == [1, 2, 3, 4, 5, 6]
+    assert json.loads((out / "summary.json").read_text())["steps"] == 6
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-0000002", "step-0000004", "step-0000006"]
+
+
+# --- stop signals ----------------------------------------------------------------------------------
+
+
+def test_sigusr1_to_one_rank_saves_one_checkpoint_on_both_and_resume_continues_the_curve(
+        tiny_model: Path, corpus: dict, tmp_path: Path) -> None:
+    steps = 60
+    straight, stopped = tmp_path / "straight", tmp_path / "stopped"
+
+    def launch(out: Path, *extra: str) -> list[str]:
+        return [*LAUNCH, "--config_file", str(CONFIGS / "cpu_ddp.yaml"), "--main_process_port", str(free_port()),
+                "-m", "mlm_ddp.train", *tiny_args(tiny_model, corpus, out, "--max_train_steps", str(steps),
+                                                  "--per_device_train_batch_size", "4", *extra)]
+
+    proc = popen(launch(stopped))
+    try:
+        wait_for(lambda: last_step(stopped) >= 5, 120, "step 5")
+        ranks = workers_of(proc.pid)
+        assert sorted(ranks) == [0, 1], ranks
+        os.kill(ranks[1], signal.SIGUSR1)  # one rank only
+        output, _ = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert output.count("exitcode  : 75") == 2 or ("exitcode  : 75" in output and "rank      : 1" in output)
+    record = json.loads((stopped / "stopped.json").read_text())
+    assert record["exit_code"] == EXIT_REQUEUE and 5 <= record["step"] < steps
+    assert "signal SIGUSR1" in record["reason"] or "another process" in record["reason"]
+    saved = Path(record["checkpoint"])
+    assert saved.name == f"step-{record['step']:07d}" and (saved / "COMPLETE").exists()
+    assert (saved / "random_states_0.pkl").exists() and (saved / "random_states_1.pkl").exists()
+
+    resumed = popen(launch(stopped, "--resume_from_checkpoint", "latest"))
+    reference = subprocess.run([sys.executable, "-m", *launch(straight)], cwd=REPO, capture_output=True, text=True,
+                               timeout=300)
+    output, _ = resumed.communicate(timeout=300)
+    assert resumed.returncode == 0, output[-3000:]
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    a, b = train_losses(straight), train_losses(stopped)
+    assert sorted(b) == list(range(1, steps + 1))
+    assert max(abs(a[s] - b[s]) / a[s] for s in a) <= 1e-5
+
+
+def test_a_second_signal_during_the_save_changes_nothing(tiny_model: Path, corpus: dict, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    proc = popen(["mlm_ddp.train", *tiny_args(tiny_model, corpus, out, "--max_train_steps", "400",
+                                              "--per_device_train_batch_size", "4")], env={SLOW_SAVE_ENV: "2"})
+    try:
+        wait_for(lambda: last_step(out) >= 3, 120, "step 3")
+        proc.send_signal(signal.SIGTERM)
+        wait_for(lambda: any((out / "checkpoints").glob(".tmp-step-*/trainer_state.json")), 60, "the save")
+        proc.send_signal(signal.SIGTERM)  # during the slow save
+        proc.send_signal(signal.SIGUSR2)
+        output, _ = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == EXIT_REQUEUE, output[-3000:]
+    record = json.loads((out / "stopped.json").read_text())
+    assert record["reason"] == "signal SIGTERM"
+    assert [p.name for p in (out / "checkpoints").iterdir()] == [f"step-{record['step']:07d}"]
+    assert (Path(record["checkpoint"]) / "COMPLETE").exists()
+
+
+# --- a dead rank -----------------------------------------------------------------------------------
+
+
+def test_when_a_rank_dies_the_others_exit_promptly_and_the_lost_rank_is_named(
+        tiny_model: Path, corpus: dict, tmp_path: Path) -> None:
+    # two "machines", i.e. two separate launchers: nothing but our timeout stops the survivor
+    out, port = tmp_path / "run", str(free_port())
+    args = tiny_args(tiny_model, corpus, out, "--max_train_steps", "100000", "--ddp_timeout", "30",
+                     "--per_device_train_batch_size", "4")
+    machines = [popen([*LAUNCH, "--multi_gpu", "--num_machines", "2", "--machine_rank", str(rank), "--num_processes",
+                       "2", "--num_cpu_threads_per_process", "1", "--main_process_ip", "127.0.0.1",
+                       "--main_process_port", port, "--rdzv_backend", "static", "-m", "mlm_ddp.train", *args],
+                      env={"ACCELERATE_USE_CPU": "true"}) for rank in (0, 1)]
+    try:
+        wait_for(lambda: last_step(out) >= 3, 120, "step 3")
+        victim = workers_of(machines[1].pid)
+        assert list(victim) == [1], victim
+        os.kill(victim[1], signal.SIGKILL)
+        started = time.monotonic()
+        survivor_output, _ = machines[0].communicate(timeout=150)
+        took = time.monotonic() - started
+        machines[1].communicate(timeout=60)
+    finally:
+        for m in machines:
+            m.kill()
+    assert machines[0].returncode != 0 and took < 120
+    assert "rank 0 lost contact with the other process(es)" in survivor_output, survivor_output[-3000:]
+    assert "rank 1" in survivor_output.split("lost contact", 1)[1][:400]
+
+
+# --- non-finite gradients --------------------------------------------------------------------------
+
+
+def test_nonfinite_gradients_stop_and_name_the_last_good_checkpoint(tiny_model: Path, corpus: dict,
+                                                                    tmp_path: Path, capsys) -> None:
+    out = tmp_path / "run"
+    code = main(tiny_args(tiny_model, corpus, out, "--max_train_steps", "6", "--checkpointing_steps", "1",
+                          "--learning_rate", "1e12"))  # step 1 blows the weights up; step 2 is NaN
+    assert code == EXIT_NONFINITE
+    err = capsys.readouterr().err
+    assert "step 2: the gradient norm is nan" in err and "last good checkpoint is" in err and "step-0000001" in err
+    assert not (out / "final").exists()
+
+
+def test_nonfinite_gradients_can_be_skipped(tiny_model: Path, corpus: dict, tmp_path: Path) -> None:
+    broken = tmp_path / "nan_model"
+    shutil.copytree(tiny_model, broken)
+    weights = load_file(broken / "model.safetensors")
+    name = next(k for k in weights if "encoder.layer.0.output.dense.weight" in k)
+    weights[name][0, 0] = float("nan")
+    save_file(weights, broken / "model.safetensors", metadata={"format": "pt"})
+    out = tmp_path / "run"
+    code = main(tiny_args(broken, corpus, out, "--max_train_steps", "3", "--on_nonfinite_loss", "skip"))
+    assert code == 0
+    after = load_file(out / "final" / "model.safetensors")
+    # no optimizer step was taken: the weights are those loaded
+    assert torch.equal(torch.nan_to_num(after[name]), torch.nan_to_num(weights[name]))
+
+
+# --- a full disk -----------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path):
+    """A 900 KiB tmpfs: room for the run and one checkpoint of the tiny model (548 KiB), not two."""
+    mount = tmp_path / "small"
+    mount.mkdir()
+    result = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=900k", "tmpfs", str(mount)], capture_output=True,
+                            text=True)
+    if result.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({result.stderr.strip()}); needs root")
+    yield mount
+    subprocess.run(["umount", str(mount)], check=True)
+
+
+def test_disk_full_while_saving_keeps_the_previous_checkpoint(tiny_model: Path, corpus: dict, small_disk: Path,
+                                                              capsys) -> None:
+    out = small_disk / "run"
+    code = main(tiny_args(tiny_model, corpus, out, "--max_train_steps", "6", "--checkpointing_steps", "2"))
+    err = capsys.readouterr().err
+    assert code == EXIT_FAILED, err[-2000:]
+    assert "could not be written" in err and "step-0000002 is complete and intact" in err
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-0000002"]  # no half-written folder
+    # and it is usable: resume on a disk with room
+    roomy = small_disk.parent / "roomy"
+    shutil.copytree(out, roomy)
+    assert main(tiny_args(tiny_model, corpus, roomy, "--max_train_steps", "6", "--checkpointing_steps", "2",
+                          "--resume_from_checkpoint", "latest")) == 0
+
+
+# --- bad checkpoints and changed settings ----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def finished_checkpoint(tiny_model: Path, corpus: dict, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("ckpt") / "run"
+    assert main(tiny_args(tiny_model, corpus, out, "--max_train_steps", "2", "--checkpointing_steps", "2")) == 0
+    return out / "checkpoints" / "step-0000002"
+
+
+class Payload:
+    """Unpickling this runs a command: what a malicious 'checkpoint' would do."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def damage(case: str, folder: Path, tmp_path: Path) -> None:
+    if case == "truncated_model":
+        data = (folder / "model.safetensors").read_bytes()
+        (folder / "model.safetensors").write_bytes(data[: len(data) // 2])
+    elif case == "foreign_folder":
+        for path in folder.iterdir():
+            if path.name not in ("COMPLETE", "trainer_state.json"):
+                path.unlink()
+    elif case == "pickle_payload":
+        with open(folder / "optimizer.bin", "wb") as handle:
+            pickle.dump(Payload(tmp_path / "pwned"), handle)
+    elif case == "other_world_size":
+        state = json.loads((folder / "trainer_state.json").read_text())
+        (folder / "trainer_state.json").write_text(json.dumps({**state, "world_size": 2}))
+    elif case == "garbage_state":
+        (folder / "trainer_state.json").write_text("{not json")
+
+
+@pytest.mark.parametrize(("case", "message"), [
+    ("truncated_model", "cannot be resumed from .*damaged, from another model, or not written by mlm_ddp"),
+    ("foreign_folder", "missing .*model.safetensors.*optimizer.bin"),
+    ("pickle_payload", "cannot be resumed from .*UnpicklingError"),
+    ("other_world_size", "written by 2 process\\(es\\) and this run has 1.*resume with 2"),
+    ("garbage_state", "unreadable trainer state"),
+    ("other_model", "other settings \\(model.config_overrides: None -> 'hidden_size=64'"),
+    ("other_recipe", "training.learning_rate: 0.001 -> 0.002"),
+])
+def test_bad_checkpoints_are_refused_with_the_reason(case: str, message: str, finished_checkpoint: Path,
+                                                     tiny_model: Path, corpus: dict, tmp_path: Path, capsys) -> None:
+    out = tmp_path / "run"
+    shutil.copytree(finished_checkpoint.parent.parent, out)
+    shutil.rmtree(out / "final")
+    (out / "summary.json").unlink()
+    damage(case, out / "checkpoints" / "step-0000002", tmp_path)
+    extra = {"other_model": ["--config_overrides", "hidden_size=64"],
+             "other_recipe": ["--learning_rate", "0.002"]}.get(case, [])
+    before = snapshot(out)
+    code = main(tiny_args(tiny_model, corpus, out, "--max_train_steps", "4", "--resume_from_checkpoint", "latest",
+                          *extra))
+    err = capsys.readouterr().err
+    assert code == EXIT_BAD_INPUT, err[-2000:]
+    assert len([line for line in err.splitlines() if line.startswith("mlm_ddp.train: error:")]) == 1
+    assert re.search(message, err, re.DOTALL), err[-2000:]
+    assert snapshot(out) == before  # nothing written, nothing overwritten
+    assert not (tmp_path / "pwned").exists()  # the payload never ran
+
+
+def test_harmless_setting_changes_are_accepted_and_logged(finished_checkpoint: Path, tiny_model: Path,
+                                                          corpus: dict, tmp_path: Path, caplog) -> None:
+    out = tmp_path / "run"
+    shutil.copytree(finished_checkpoint.parent.parent, out)
+    shutil.rmtree(out / "final")
+    (out / "summary.json").unlink()
+    with caplog.at_level("INFO"):
+        code = main(tiny_args(tiny_model, corpus, out, "--max_train_steps", "4", "--resume_from_checkpoint",
+                              "latest", "--logging_steps", "2"))
+    assert code == 0
+    assert "resuming with a changed setting: run.logging_steps 1 -> 2" in caplog.text
+    assert "resuming with a changed setting: training.max_train_steps 2 -> 4" in caplog.text
+    assert json.loads((out / "summary.json").read_text())["steps"] == 4
