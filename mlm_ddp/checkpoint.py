@@ -149,6 +149,21 @@ def check_resume(path: Path, current: dict, world_size: int) -> tuple[TrainerSta
     return state, changes
 
 
+def data_state_name(rank: int) -> str:
+    return f"data_state_{rank}.json"
+
+
+def read_data_state(path: Path, rank: int) -> dict | None:
+    """Rank `rank`'s stream position in checkpoint `path` (None: map-style, or saved without one)."""
+    file = path / data_state_name(rank)
+    if not file.is_file():
+        return None
+    try:
+        return json.loads(file.read_text())
+    except ValueError as err:
+        raise ConfigError(f"{file}: unreadable stream position ({err})") from err
+
+
 def temp_dir(output_dir: str | Path, step: int) -> Path:
     return checkpoints_dir(output_dir) / f".tmp-{step_dir_name(step)}"
 

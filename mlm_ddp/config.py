@@ -91,7 +91,11 @@ class DataConfig:
         "Requires --max_train_steps.",
         default=False,
     )
-    shuffle_buffer_size: int = _doc("Streaming only: size of the shuffle buffer.", default=10_000)
+    shuffle_buffer_size: int = _doc(
+        "Streaming only: texts are shuffled in chunks of this many (a seeded permutation per chunk, "
+        "and shard order reshuffled per epoch); a resume re-reads at most one chunk.",
+        default=10_000,
+    )
     max_seq_length: int = _doc(
         "Length of the packed blocks in tokens; texts are concatenated and cut into blocks, so no "
         "token is padding except in the last block of each tokenization batch.",

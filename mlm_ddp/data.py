@@ -22,7 +22,9 @@ Sharding, one way per kind of data, never twice (the loaders are not passed thro
 
 from __future__ import annotations
 
+import copy
 import itertools
+import logging
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -213,9 +215,7 @@ class PackStats:
         return 1.0 - self.tokens / (self.blocks * self.block_size) if self.blocks else 0.0
 
 
-def tokenize_dataset(
-    raw: AnyDataset, tokenizer: Any, cfg: DataConfig, shuffle_seed: int | None = None
-) -> AnyDataset:
+def tokenize_dataset(raw: AnyDataset, tokenizer: Any, cfg: DataConfig) -> AnyDataset:
     """Tokenize and pack lazily (streams) or once, cached by `datasets` (map-style)."""
     columns = raw.column_names if raw.column_names is not None else _first_columns(raw, "stream")
     kwargs: dict[str, Any] = dict(
@@ -230,8 +230,6 @@ def tokenize_dataset(
         },
     )
     if isinstance(raw, IterableDataset):
-        if shuffle_seed is not None:
-            raw = raw.shuffle(seed=shuffle_seed, buffer_size=cfg.shuffle_buffer_size)
         return raw.map(tokenize_and_pack, **kwargs)
     return raw.map(
         tokenize_and_pack, num_proc=cfg.preprocessing_num_workers, desc="Tokenizing and packing", **kwargs
@@ -316,13 +314,85 @@ def shard_stream(ds: IterableDataset, rank: int, world_size: int) -> IterableDat
     return ds.filter(_is_mine, with_indices=True, fn_kwargs={"rank": rank, "world_size": world_size})
 
 
+class PackedStream(torch.utils.data.IterableDataset):
+    """This rank's training blocks from its part of a raw text stream, resumable exactly and cheaply.
+
+    The texts are read in chunks of `chunk_texts`; each chunk is shuffled with a permutation seeded
+    by (seed, epoch, chunk number), then tokenized and packed (`tokenize_and_pack`). Shard order is
+    reshuffled every epoch by `datasets` (a one-text buffer, so nothing sits in a buffer between
+    reads). The position is (the source's `state_dict()` before the current chunk, the chunk number,
+    blocks of it already yielded): a resume re-reads at most one chunk, never the stream from its
+    start (datasets #5454), and yields exactly the blocks an uninterrupted run would have.
+    Exact positions need `--dataloader_num_workers 0` (the state lives in this process).
+    """
+
+    def __init__(self, texts: IterableDataset, tokenizer: Any, cfg: DataConfig, seed: int) -> None:
+        self.texts = texts.shuffle(seed=seed, buffer_size=1)  # shard order only
+        self.tokenizer, self.cfg, self.seed = tokenizer, cfg, seed
+        self.epoch = 0
+        self.position: dict[str, Any] = {"epoch": 0, "source": None, "chunk": 0, "blocks": 0}
+        self._resume: dict[str, Any] | None = None
+        self.reread_texts = 0  # raw texts read a second time by the last resume (one chunk at most)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch, self._resume = epoch, None
+        self.position = {"epoch": epoch, "source": None, "chunk": 0, "blocks": 0}
+
+    def state_dict(self) -> dict[str, Any]:
+        return copy.deepcopy(self.position)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.set_epoch(state["epoch"])
+        self._resume = copy.deepcopy(state)
+
+    def __iter__(self) -> Iterator[dict[str, list[int]]]:
+        self.texts.set_epoch(self.epoch)
+        chunk, skip, resuming = 0, 0, False
+        if self._resume is not None and self._resume["source"] is not None:
+            resuming = True
+            # datasets warns that a shuffle buffer's content is not in a state dict; ours holds one
+            # text and is empty between reads, so there is nothing to lose
+            quiet = logging.getLogger("datasets.iterable_dataset")
+            level = quiet.level
+            quiet.setLevel(logging.ERROR)
+            try:
+                self.texts.load_state_dict(self._resume["source"])
+            finally:
+                quiet.setLevel(level)
+            chunk, skip = self._resume["chunk"], self._resume["blocks"]
+        self._resume = None
+        rows = iter(self.texts)
+        column = self.cfg.text_column
+        while True:
+            source = self.texts.state_dict()  # before this chunk: where a resume starts reading
+            texts = [row[column] for row in itertools.islice(rows, self.cfg.shuffle_buffer_size)]
+            if not texts:
+                return
+            if resuming:
+                self.reread_texts, resuming = len(texts), False
+            order = np.random.default_rng([self.seed, self.epoch, chunk]).permutation(len(texts))
+            packed = tokenize_and_pack([texts[i] for i in order], self.tokenizer, self.cfg.max_seq_length,
+                                       with_word_continues=self.cfg.whole_word_mask)
+            for k in range(skip, len(packed["input_ids"])):
+                self.position = {"epoch": self.epoch, "source": source, "chunk": chunk, "blocks": k + 1}
+                yield {key: values[k] for key, values in packed.items()}
+            chunk, skip = chunk + 1, 0
+
+
+def is_stream(ds: Any) -> bool:
+    return isinstance(ds, (IterableDataset, PackedStream))
+
+
 def rank_dataset(raw: AnyDataset, tokenizer: Any, cfg: DataConfig, rank: int, world_size: int,
-                 shuffle_seed: int | None = None) -> AnyDataset:
-    """What this rank tokenizes: its own part of a raw stream, or the whole map-style split (which
-    the samplers shard, so that every rank shares the one cached tokenization)."""
+                 shuffle_seed: int | None = None) -> AnyDataset | PackedStream:
+    """What this rank tokenizes: its own part of a raw stream (a PackedStream when it is training
+    data, i.e. shuffled), or the whole map-style split (which the samplers shard, so that every
+    rank shares the one cached tokenization)."""
     if isinstance(raw, IterableDataset):
         raw = shard_stream(raw, rank, world_size)
-    return tokenize_dataset(raw, tokenizer, cfg, shuffle_seed=shuffle_seed)
+        if shuffle_seed is not None:
+            return PackedStream(raw, tokenizer, cfg, shuffle_seed)
+    return tokenize_dataset(raw, tokenizer, cfg)
 
 
 class TrainFeed:
@@ -338,10 +408,13 @@ class TrainFeed:
     """
 
     def __init__(self, loader: DataLoader, collator: Any, accumulation: int, epoch: int, start: int,
-                 any_rank: Callable[[bool], bool]) -> None:
+                 any_rank: Callable[[bool], bool], stream_state: dict[str, Any] | None = None) -> None:
         self.loader, self.collator, self.accumulation = loader, collator, accumulation
         self.any_rank = any_rank
-        self.stream = isinstance(loader.dataset, IterableDataset)
+        self.stream = is_stream(loader.dataset)
+        # a PackedStream read in this process can say exactly where it is; anything else re-reads
+        self.exact = isinstance(loader.dataset, PackedStream) and loader.num_workers == 0
+        self._stream_state = stream_state if self.exact else None
         self.batches_per_epoch = None if self.stream else loader.batch_sampler.batches_per_epoch
         self.epoch, self.index = epoch, start  # position of the next micro-batch
         self.dropped_batches = 0
@@ -352,9 +425,13 @@ class TrainFeed:
         if hasattr(self.collator, "set_epoch"):
             self.collator.set_epoch(self.epoch)
         if self.stream:
-            self.loader.dataset.set_epoch(self.epoch)  # reseeds the shuffle buffer
+            self.loader.dataset.set_epoch(self.epoch)  # reseeds the shuffle
+            state, self._stream_state = self._stream_state, None
+            if state is not None and state["epoch"] == self.epoch:
+                self.loader.dataset.load_state_dict(state)  # re-reads at most one chunk
+                return iter(self.loader)
             it = iter(self.loader)
-            for _ in range(self.index):  # a stream re-reads up to its position
+            for _ in range(self.index):  # no saved state: re-read up to the position
                 next(it)
             return it
         self.loader.batch_sampler.set_epoch(self.epoch, self.index)
@@ -390,6 +467,14 @@ class TrainFeed:
             self.last_epoch_batches = self.index
             self._next_epoch()
 
+    def stream_state(self) -> dict[str, Any] | None:
+        """Where this rank's stream is, for a checkpoint (None: map-style, or not exact)."""
+        if not self.exact:
+            return None
+        if self._stream_state is not None:  # loaded but not read from yet
+            return copy.deepcopy(self._stream_state)
+        return self.loader.dataset.state_dict()
+
     @property
     def epoch_float(self) -> float:
         """Epochs done so far (streams: whole epochs only, their length is unknown)."""
@@ -407,7 +492,7 @@ def train_loader(ds: AnyDataset, collator: Any, batch_size: int, rank: int, worl
                  seed: int, num_workers: int) -> DataLoader:
     """A stream is already this rank's (`rank_dataset`); map-style data is sharded by the sampler."""
     common = dict(collate_fn=collator, num_workers=num_workers, generator=_own_generator(seed))
-    if isinstance(ds, IterableDataset):
+    if is_stream(ds):
         return DataLoader(ds, batch_size=batch_size, **common)
     sampler = EpochBatchSampler(len(ds), batch_size, rank, world_size, seed)
     return DataLoader(ds, batch_sampler=sampler, **common)

@@ -27,7 +27,6 @@ import torch
 from accelerate import Accelerator
 from accelerate.logging import get_logger
 from accelerate.utils import DistributedType, GradientAccumulationPlugin, InitProcessGroupKwargs, set_seed
-from datasets import IterableDataset
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from transformers import get_scheduler
@@ -224,7 +223,8 @@ class MetricsFile:
         return None
 
 
-def save_checkpoint(accelerator: Accelerator, cfg: Config, state: ckpt.TrainerState, scheduler: Any) -> Path:
+def save_checkpoint(accelerator: Accelerator, cfg: Config, state: ckpt.TrainerState, scheduler: Any,
+                    data_state: dict | None = None) -> Path:
     """Every rank writes its part into a temporary folder; the main process completes and renames it.
 
     If any rank fails to write (disk full, quota, ...), all ranks learn it, the temporary folder is
@@ -238,6 +238,8 @@ def save_checkpoint(accelerator: Accelerator, cfg: Config, state: ckpt.TrainerSt
     error: Exception | None = None
     try:
         accelerator.save_state(str(tmp))
+        if data_state is not None:  # this rank's stream position
+            (tmp / ckpt.data_state_name(accelerator.process_index)).write_text(json.dumps(data_state))
     except Exception as err:  # safetensors and torch.save report a full disk in their own types
         error = err
     _agree_saved(accelerator, cfg, tmp, final, error)
@@ -292,11 +294,11 @@ def save_final(accelerator: Accelerator, model: torch.nn.Module, tokenizer: Any,
 
 
 def preempt(accelerator: Accelerator, cfg: Config, position: ckpt.TrainerState, scheduler: Any,
-            signal_name: str | None, already_saved: bool) -> None:
+            data_state: dict | None, signal_name: str | None, already_saved: bool) -> None:
     """Every rank: save one checkpoint at this step boundary (unless it exists), note why, raise."""
     path = ckpt.checkpoints_dir(cfg.run.output_dir) / ckpt.step_dir_name(position.step)
     if not already_saved:
-        path = save_checkpoint(accelerator, cfg, position, scheduler)
+        path = save_checkpoint(accelerator, cfg, position, scheduler, data_state)
     reason = f"signal {signal_name}" if signal_name else "a stop signal on another process"
     if accelerator.is_main_process:
         (Path(cfg.run.output_dir) / STOPPED_FILE).write_text(json.dumps(
@@ -432,7 +434,7 @@ def _train(cfg: Config, stop: StopSignals) -> TrainResult:
         rank, world, cfg.data.dataloader_num_workers)
 
     ga = t.gradient_accumulation_steps
-    if isinstance(train_ds, IterableDataset):
+    if mdata.is_stream(train_ds):
         total_steps = t.max_train_steps
         data_note = (f"streaming, tokenized on the fly; {mdata.stream_sharding(raw_train.num_shards, world)}; "
                      "an epoch ends for all ranks when the first rank's part ends")
@@ -490,7 +492,8 @@ def _train(cfg: Config, stop: StopSignals) -> TrainResult:
         """True on every rank when `flag` is true on any rank (a collective)."""
         return accelerator.reduce(torch.tensor(float(flag), device=device), reduction="sum").item() > 0
 
-    feed = mdata.TrainFeed(train_dl, train_collator, ga, state.epoch, state.batch_in_epoch, any_rank)
+    stream_state = ckpt.read_data_state(resume_from, rank) if resume_from else None
+    feed = mdata.TrainFeed(train_dl, train_collator, ga, state.epoch, state.batch_in_epoch, any_rank, stream_state)
     sums = torch.zeros(3, dtype=torch.float64, device=device)  # since last log: loss, masked, input tokens
     tokens_base, tokens_local = state.tokens_seen, torch.zeros((), dtype=torch.float64, device=device)
 
@@ -506,8 +509,13 @@ def _train(cfg: Config, stop: StopSignals) -> TrainResult:
     skipped_steps = 0
     model.train()
     while step < total_steps:
-        epoch_before, index_before = feed.epoch, feed.index
+        epoch_before, index_before, stream_before = feed.epoch, feed.index, feed.stream_state()
         micro = [mdata.to_device(b, device) for b in feed.next_window()]
+        if stream_state is not None and step == state.step and feed.exact:
+            logger.info("stream resumed at epoch %d, chunk %d, block %d: re-read %d raw text(s) to get there "
+                        "(one chunk of --shuffle_buffer_size %d at most), not the epoch from its start",
+                        stream_state["epoch"], stream_state["chunk"], stream_state["blocks"],
+                        train_ds.reread_texts, cfg.data.shuffle_buffer_size)
         if feed.stream and feed.epoch != epoch_before:
             logger.info("step %d: epoch %d of the stream ended on every rank after %d micro-batches, when the "
                         "first rank's part ran out (micro-batches of partial steps dropped so far, rank 0: %d)",
@@ -519,7 +527,7 @@ def _train(cfg: Config, stop: StopSignals) -> TrainResult:
         masked, stop_votes = accelerator.reduce(local, reduction="sum")
         if stop_votes > 0:
             position = ckpt.TrainerState(step, epoch_before, index_before, tokens_total(), world)
-            preempt(accelerator, cfg, position, scheduler, stop.received, saved_step == step)
+            preempt(accelerator, cfg, position, scheduler, stream_before, stop.received, saved_step == step)
         scale = world * ga / masked.clamp(min=1)  # DDP averages over ranks, backward() divides by ga
         for batch in micro:
             with accelerator.accumulate(model):
@@ -575,7 +583,8 @@ def _train(cfg: Config, stop: StopSignals) -> TrainResult:
         every = cfg.run.checkpointing_steps
         if (every == "epoch" and epoch_ended) or (every not in (None, "epoch") and step % int(every) == 0):
             save_checkpoint(accelerator, cfg,
-                            ckpt.TrainerState(step, feed.epoch, feed.index, tokens_total(), world), scheduler)
+                            ckpt.TrainerState(step, feed.epoch, feed.index, tokens_total(), world), scheduler,
+                            feed.stream_state())
             saved_step = step
     progress.close()
     if skipped_steps:
