@@ -40,11 +40,11 @@ from mlm_ddp.model import load_model, load_model_config, load_tokenizer, max_pos
 
 logger = get_logger(__name__)
 METRIC_MODULE = str(Path(__file__).parent / "metrics" / "masked_lm")
-RUN_OUTPUTS = ("config.yaml", "metrics.jsonl", "summary.json", "final", "checkpoints", "logs")
+STOPPED_FILE = "stopped.json"  # why a run stopped early; torchrun turns every worker exit code into 1
+RUN_OUTPUTS = ("config.yaml", "metrics.jsonl", "summary.json", "final", "checkpoints", "logs", STOPPED_FILE)
 KNOWN_TRACKERS = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
 # Exit codes of `main`, for launchers and schedulers. 75 is sysexits' EX_TEMPFAIL: "try again later".
 EXIT_BAD_INPUT, EXIT_NONFINITE, EXIT_REQUEUE, EXIT_FAILED = 2, 3, 75, 1
-STOPPED_FILE = "stopped.json"  # why a run stopped early; torchrun turns every worker exit code into 1
 
 
 class Preempted(Exception):
@@ -460,6 +460,7 @@ def _train(cfg: Config, stop: StopSignals) -> TrainResult:
         logger.info("resumed from %s at step %d", resume_from, state.step)
     if accelerator.is_main_process:  # only now: a checkpoint that fails to load leaves the run as it was
         (out / "config.yaml").write_text(cfg.to_yaml())
+        (out / STOPPED_FILE).unlink(missing_ok=True)  # this run continues what stopped
     for partial in ckpt.partial_checkpoints(out):
         logger.warning("ignoring %s: an incomplete checkpoint (no %s marker), left by a save that was "
                        "interrupted", partial, ckpt.MARKER)

@@ -139,6 +139,7 @@ def test_sigusr1_to_one_rank_saves_one_checkpoint_on_both_and_resume_continues_t
     assert reference.returncode == 0, reference.stderr[-3000:]
     a, b = train_losses(straight), train_losses(stopped)
     assert sorted(b) == list(range(1, steps + 1))
+    assert not (stopped / "stopped.json").exists()  # the resumed run finished what stopped
     assert max(abs(a[s] - b[s]) / a[s] for s in a) <= 1e-5
 
 
@@ -165,28 +166,34 @@ def test_a_second_signal_during_the_save_changes_nothing(tiny_model: Path, corpu
 # --- a dead rank -----------------------------------------------------------------------------------
 
 
-def test_when_a_rank_dies_the_others_exit_promptly_and_the_lost_rank_is_named(
-        tiny_model: Path, corpus: dict, tmp_path: Path) -> None:
-    # two "machines", i.e. two separate launchers: nothing but our timeout stops the survivor
+@pytest.mark.parametrize("fault", ["SIGKILL", "SIGSTOP"])
+def test_when_a_rank_dies_or_hangs_the_others_exit_promptly_and_the_lost_rank_is_named(
+        fault: str, tiny_model: Path, corpus: dict, tmp_path: Path) -> None:
+    # two "machines", i.e. two separate launchers: no agent stops the survivor, only the broken
+    # connection (SIGKILL) or --ddp_timeout (SIGSTOP: the peer hangs, its sockets stay open)
     out, port = tmp_path / "run", str(free_port())
-    args = tiny_args(tiny_model, corpus, out, "--max_train_steps", "100000", "--ddp_timeout", "30",
+    args = tiny_args(tiny_model, corpus, out, "--max_train_steps", "100000", "--ddp_timeout", "20",
                      "--per_device_train_batch_size", "4")
     machines = [popen([*LAUNCH, "--multi_gpu", "--num_machines", "2", "--machine_rank", str(rank), "--num_processes",
                        "2", "--num_cpu_threads_per_process", "1", "--main_process_ip", "127.0.0.1",
                        "--main_process_port", port, "--rdzv_backend", "static", "-m", "mlm_ddp.train", *args],
                       env={"ACCELERATE_USE_CPU": "true"}) for rank in (0, 1)]
+    victim: dict[int, int] = {}
     try:
         wait_for(lambda: last_step(out) >= 3, 120, "step 3")
         victim = workers_of(machines[1].pid)
         assert list(victim) == [1], victim
-        os.kill(victim[1], signal.SIGKILL)
+        os.kill(victim[1], getattr(signal, fault))
         started = time.monotonic()
         survivor_output, _ = machines[0].communicate(timeout=150)
         took = time.monotonic() - started
-        machines[1].communicate(timeout=60)
     finally:
+        if fault == "SIGSTOP" and 1 in victim:
+            os.kill(victim[1], signal.SIGKILL)
         for m in machines:
             m.kill()
+            m.communicate()
+    print(f"{fault}: the survivor exited {took:.1f} s later")  # for the record: pytest -s
     assert machines[0].returncode != 0 and took < 120
     assert "rank 0 lost contact with the other process(es)" in survivor_output, survivor_output[-3000:]
     assert "rank 1" in survivor_output.split("lost contact", 1)[1][:400]
