@@ -207,7 +207,10 @@ class RunConfig:
     )
     save_total_limit: int | None = _doc("Keep only the newest K complete checkpoints.", default=None)
     resume_from_checkpoint: str | None = _doc(
-        "'latest' (the newest complete checkpoint in --output_dir) or a checkpoint folder.", default=None
+        "'latest' (the newest complete checkpoint in --output_dir), a checkpoint folder, or 'auto': "
+        "latest if there is one, else start (what a requeued job passes; a finished run is left as "
+        "it is).",
+        default=None,
     )
     with_tracking: bool = _doc("Log metrics to the trackers of --report_to.", default=False)
     report_to: str = _doc(

@@ -55,6 +55,10 @@ class NonFiniteLoss(Exception):
     """Gradients were NaN or inf and --on_nonfinite_loss is 'stop'. Exit EXIT_NONFINITE."""
 
 
+class AlreadyFinished(Exception):
+    """--resume_from_checkpoint auto on a run that finished: nothing to do (exit 0)."""
+
+
 class CheckpointWriteError(Exception):
     """A checkpoint could not be written (disk full, ...); the previous complete one is intact."""
 
@@ -109,7 +113,19 @@ def check_output_dir(cfg: Config) -> Path | None:
     if cfg.run.resume_from_checkpoint is not None:
         if cfg.run.overwrite_output_dir:
             raise ConfigError("--resume_from_checkpoint and --overwrite_output_dir contradict each other")
-        return ckpt.resolve_resume(cfg.run.resume_from_checkpoint, out)
+        if cfg.run.resume_from_checkpoint != "auto":
+            return ckpt.resolve_resume(cfg.run.resume_from_checkpoint, out)
+        if (out / "summary.json").exists():
+            raise AlreadyFinished(f"--output_dir {out} holds a finished run: nothing to do")
+        done = ckpt.complete_checkpoints(out)
+        if done:
+            return done[-1]
+        if any((out / name).exists() for name in RUN_OUTPUTS):
+            raise ConfigError(
+                f"--resume_from_checkpoint auto: --output_dir {out} holds a run that saved no checkpoint "
+                "yet; pass --overwrite_output_dir to start it over (or --checkpointing_steps for requeues)"
+            )
+        return None
     earlier = [name for name in RUN_OUTPUTS if (out / name).exists()]
     if earlier and not cfg.run.overwrite_output_dir:
         if (out / "summary.json").exists() or (out / "final").exists():
@@ -627,6 +643,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(f"mlm_ddp.train: error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except AlreadyFinished as err:
+        print(f"mlm_ddp.train: {err}", file=sys.stderr)
+        return 0
     except Preempted as err:
         print(f"mlm_ddp.train: {err} (exit {EXIT_REQUEUE})", file=sys.stderr)
         return EXIT_REQUEUE

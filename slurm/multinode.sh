@@ -1,0 +1,84 @@
+#!/usr/bin/env bash
+# mlm_ddp on several Slurm nodes: one `accelerate launch` per node, one DDP process group across all.
+#
+#   cd /path/to/mlm_ddp && sbatch slurm/multinode.sh [mlm_ddp.train flags]
+#   e.g. sbatch slurm/multinode.sh --config recipe.yaml --max_train_steps 1000 --checkpointing_steps 200
+#
+# Edit the #SBATCH lines for your cluster (and nothing else). With GPUs, one process per GPU of a node
+# (--gpus-per-node); without, PROCS_PER_NODE CPU processes per node (default 1) over gloo.
+# Preemption or the time limit: Slurm sends USR1 to this script GRACE seconds early (--signal); every
+# process finishes its step, all save one checkpoint, and the job requeues itself. The requeued job
+# resumes from that checkpoint (--resume_from_checkpoint auto), so no step is lost or repeated.
+#
+#SBATCH --job-name=mlm_ddp
+#SBATCH --nodes=2
+#SBATCH --ntasks-per-node=1
+#SBATCH --cpus-per-task=2
+##SBATCH --gpus-per-node=8
+#SBATCH --time=24:00:00
+#SBATCH --output=mlm_ddp-%j.out
+#SBATCH --error=mlm_ddp-%j.out
+#SBATCH --open-mode=append
+#SBATCH --signal=B:USR1@120
+#SBATCH --requeue
+set -euo pipefail
+
+die() { echo "slurm/multinode.sh: error: $*" >&2; exit 2; }
+
+[[ -n ${SLURM_JOB_ID:-} && -n ${SLURM_JOB_NODELIST:-} && -n ${SLURM_NNODES:-} ]] ||
+    die "not inside a Slurm allocation (no SLURM_JOB_ID / SLURM_JOB_NODELIST): submit with sbatch slurm/multinode.sh"
+command -v scontrol >/dev/null || die "scontrol not found: this script runs on a Slurm cluster"
+cd "${SLURM_SUBMIT_DIR:-.}"
+config=${ACCELERATE_CONFIG:-accelerate_configs/multi_node.yaml}
+[[ -f $config ]] || die "$config not found: submit from the mlm_ddp folder, or export ACCELERATE_CONFIG"
+
+# one rendezvous for all nodes: the first node's address and a port derived from the job id
+# (mlm_ddp.distributed.slurm_master_port computes the same number)
+MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)
+MASTER_PORT=$((15000 + SLURM_JOB_ID % 15000))
+[[ -n $MASTER_ADDR ]] || die "scontrol expanded the node list '$SLURM_JOB_NODELIST' to nothing"
+if [[ -n ${SLURM_GPUS_ON_NODE:-} ]]; then
+    PROCS_PER_NODE=$SLURM_GPUS_ON_NODE
+else
+    PROCS_PER_NODE=${PROCS_PER_NODE:-1}
+    export ACCELERATE_USE_CPU=true
+fi
+export MASTER_ADDR MASTER_PORT PROCS_PER_NODE config
+echo "mlm_ddp: job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}): $SLURM_NNODES node(s) x $PROCS_PER_NODE" \
+     "process(es), master $MASTER_ADDR:$MASTER_PORT"
+
+# On the warning, SIGTERM goes to every process of the step (scancel --signal does not cancel it;
+# signalling srun would): the training processes agree at the next step boundary, save one
+# checkpoint and exit 75. The launchers also get SIGTERM and give them 30 s (torchrun's shutdown
+# grace) before SIGKILL, so a checkpoint must save within that.
+preempted=0
+# shellcheck disable=SC2317,SC2329  # called by the trap
+on_warning() {
+    preempted=1
+    echo "mlm_ddp: preemption warning: asking every process to save a checkpoint"
+    scancel --signal=TERM "$SLURM_JOB_ID.0" || true  # step 0: the srun below, this script's only step
+}
+trap on_warning USR1 TERM
+
+# One task per node runs accelerate launch (exec: the task is the launcher); $SLURM_NODEID is
+# expanded inside the step, on each node.
+# shellcheck disable=SC2016  # expanded by the inner bash, on each node
+srun --kill-on-bad-exit=0 bash -c 'exec accelerate launch --config_file "$config" \
+    --num_machines "$SLURM_NNODES" --machine_rank "$SLURM_NODEID" \
+    --num_processes $((SLURM_NNODES * PROCS_PER_NODE)) \
+    --main_process_ip "$MASTER_ADDR" --main_process_port "$MASTER_PORT" --rdzv_backend static \
+    -m mlm_ddp.train --resume_from_checkpoint auto "$@"' bash "$@" &
+step_pid=$!
+status=0
+# `wait` returns early when a trapped signal arrives; wait again until the step has really ended
+while true; do
+    wait "$step_pid" && status=0 || status=$?
+    kill -0 "$step_pid" 2>/dev/null || break
+done
+
+if ((preempted)); then
+    echo "mlm_ddp: checkpoint saved; requeueing job $SLURM_JOB_ID"
+    scontrol requeue "$SLURM_JOB_ID"
+    exit 0
+fi
+exit "$status"

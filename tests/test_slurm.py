@@ -1,0 +1,133 @@
+"""`sbatch slurm/multinode.sh` on a real two-node Slurm cluster (tests/slurm_cluster.sh): one process
+group across the nodes, the loss curve of a local run, and a preemption that checkpoints, requeues
+and resumes without losing or repeating a step."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from mlm_ddp.config import parse_args
+from mlm_ddp.train import train
+from tests.conftest import NO_DROPOUT, REPO, read_metrics, tiny_args, train_losses
+
+CLUSTER = REPO / "tests" / "slurm_cluster.sh"
+STEPS = 40
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """A running cluster; yields the environment its clients and jobs need."""
+    if shutil.which("slurmctld") is None and os.geteuid() != 0:
+        pytest.skip("Slurm (slurm-wlm) is not installed and installing it needs root")
+    state = tmp_path_factory.mktemp("slurm")
+    started = subprocess.run(["bash", str(CLUSTER), "start", str(state)], capture_output=True, text=True,
+                             timeout=600)
+    if started.returncode == 3:
+        pytest.skip(started.stderr.strip())
+    assert started.returncode == 0, started.stdout + started.stderr
+    # jobs run with the submitter's environment: this venv's accelerate, offline Hub, the config
+    env = {**os.environ, "SLURM_CONF": str(state / "slurm.conf"),
+           "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    yield env
+    subprocess.run(["bash", str(CLUSTER), "stop", str(state)], capture_output=True, text=True, timeout=120)
+
+
+def sbatch(env: dict, out: Path, *args: str) -> str:
+    log = str(out.parent / "job-%j.out")
+    proc = subprocess.run(["sbatch", "--parsable", "-o", log, "-e", log,
+                           str(REPO / "slurm" / "multinode.sh"), *args], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.strip().split(";")[0]
+
+
+def job_state(env: dict, job: str) -> str:
+    proc = subprocess.run(["scontrol", "show", "job", job], env=env, capture_output=True, text=True)
+    fields = dict(f.split("=", 1) for f in proc.stdout.split() if "=" in f)
+    return fields.get("JobState", "GONE")
+
+
+def wait_done(env: dict, job: str, timeout: float) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        state = job_state(env, job)
+        if state in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "GONE"):
+            return state
+        time.sleep(0.5)
+    raise AssertionError(f"job {job} still {job_state(env, job)} after {timeout} s")
+
+
+def job_args(tiny_model: Path, corpus: dict, out: Path) -> list[str]:
+    return tiny_args(tiny_model, corpus, out, "--max_train_steps", str(STEPS), *NO_DROPOUT)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(slurm: dict, tiny_model: Path, corpus: dict, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("sbatch") / "run"
+    job = sbatch(slurm, out, *job_args(tiny_model, corpus, out))
+    assert wait_done(slurm, job, 300) == "COMPLETED", (out.parent / f"job-{job}.out").read_text()[-3000:]
+    return out
+
+
+def test_two_nodes_form_one_group_and_train_the_local_curve(uninterrupted: Path, tiny_model: Path, corpus: dict,
+                                                            tmp_path: Path) -> None:
+    log = next(uninterrupted.parent.glob("job-*.out")).read_text()
+    assert "2 node(s) x 1 process(es), master n1:" in log
+    assert "topology: 2 process(es) on 2 node(s), DistributedType.MULTI_CPU, started by torchrun (master n1:" in log
+    # the same global batch (2 nodes x 8) in one local process
+    train(parse_args(tiny_args(tiny_model, corpus, tmp_path, "--max_train_steps", str(STEPS), *NO_DROPOUT,
+                               "--per_device_train_batch_size", "16")))
+    local, nodes = train_losses(tmp_path), train_losses(uninterrupted)
+    assert sorted(nodes) == list(range(1, STEPS + 1))
+    assert max(abs(local[s] - nodes[s]) / local[s] for s in local) <= 1e-4
+
+
+def test_preemption_checkpoints_requeues_and_resumes(slurm: dict, uninterrupted: Path, tiny_model: Path,
+                                                     corpus: dict, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    job = sbatch(slurm, out, *job_args(tiny_model, corpus, out))
+    deadline = time.monotonic() + 180
+    while not (out / "metrics.jsonl").exists() or max(
+            (json.loads(line).get("step", 0) for line in (out / "metrics.jsonl").read_text().splitlines()
+             if line.strip()), default=0) < 5:
+        assert time.monotonic() < deadline, "the job never reached step 5"
+        time.sleep(0.2)
+    # what Slurm sends ahead of a preemption or the time limit (--signal=B:USR1@120)
+    subprocess.run(["scancel", "--batch", "--signal=USR1", job], env=slurm, check=True)
+    assert wait_done(slurm, job, 400) == "COMPLETED"
+    log = (tmp_path / f"job-{job}.out").read_text()
+    assert "preemption warning" in log and f"requeueing job {job}" in log
+    assert f"job {job} (restart 1)" in log
+    stopped_at = int(log.split("mlm_ddp.train: stopped at step ")[1].split()[0])
+    assert 5 <= stopped_at < STEPS
+    assert f"resumed from {out / 'checkpoints' / f'step-{stopped_at:07d}'} at step {stopped_at}" in log
+    records = [r for r in read_metrics(out) if "loss" in r]
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))  # none lost, none repeated
+    assert json.loads((out / "summary.json").read_text())["steps"] == STEPS
+    a, b = train_losses(uninterrupted), train_losses(out)
+    assert max(abs(a[s] - b[s]) / a[s] for s in a) <= 1e-5
+
+
+@pytest.mark.parametrize("script", ["multinode.sh", "singlenode.sh"])
+def test_outside_an_allocation_the_scripts_fail_at_once(script: str) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    started = time.monotonic()
+    proc = subprocess.run(["bash", str(REPO / "slurm" / script), "--max_train_steps", "1"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and time.monotonic() - started < 10
+    assert "not inside a Slurm allocation" in proc.stderr and "sbatch slurm/" in proc.stderr
+
+
+def test_the_scripts_pass_shellcheck() -> None:
+    shellcheck = shutil.which("shellcheck") or str(Path(sys.executable).parent / "shellcheck")
+    proc = subprocess.run([shellcheck, *map(str, sorted((REPO / "slurm").glob("*.sh"))), str(CLUSTER)],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout
