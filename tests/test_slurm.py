@@ -116,6 +116,19 @@ def test_preemption_checkpoints_requeues_and_resumes(slurm: dict, uninterrupted:
     assert max(abs(a[s] - b[s]) / a[s] for s in a) <= 1e-5
 
 
+def test_srun_one_task_per_process_is_recognised_and_connects(slurm: dict) -> None:
+    # the way Submitit starts tasks: no torchrun, only Slurm variables (mlm_ddp.distributed reads them)
+    proc = subprocess.run(["srun", "-N2", "--ntasks-per-node=1", sys.executable, "-m", "mlm_ddp.distributed",
+                           "--connect", "--timeout", "60"], cwd=REPO, env=slurm, capture_output=True, text=True,
+                          timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for rank in (0, 1):
+        assert f"[rank {rank}] launcher      slurm" in proc.stdout
+        assert f"[rank {rank}] connected: 2 process(es), DistributedType.MULTI_CPU" in proc.stdout
+    assert "[rank 1] master        n1:" in proc.stdout
+    assert "(local rank 0 of 1 on node 1 of 2)" in proc.stdout
+
+
 @pytest.mark.parametrize("script", ["multinode.sh", "singlenode.sh"])
 def test_outside_an_allocation_the_scripts_fail_at_once(script: str) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
