@@ -635,9 +635,14 @@ def summary_line(result: TrainResult) -> str:
     return line + f"; model in {result.final_dir}"
 
 
-def main(argv: list[str] | None = None) -> int:
+def setup_logging() -> None:
+    """Timestamped INFO lines on stderr (accelerate's logger keeps them to the main process)."""
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         datefmt="%H:%M:%S", level=logging.INFO)
+
+
+def main(argv: list[str] | None = None) -> int:
+    setup_logging()
     try:
         train(parse_args(argv))
     except ConfigError as err:

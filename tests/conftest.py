@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +17,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import pytest  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
+CLUSTER = REPO / "tests" / "slurm_cluster.sh"
 NO_DROPOUT = ["--config_overrides", "hidden_dropout_prob=0,attention_probs_dropout_prob=0"]
 
 
@@ -98,3 +100,21 @@ def run_module(args: list[str], cwd: Path | None = None, env: dict | None = None
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     return subprocess.run([sys.executable, "-m", *args], cwd=cwd or REPO, env=full_env, capture_output=True,
                           text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="session")
+def slurm(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """A running cluster; yields the environment its clients and jobs need."""
+    if shutil.which("slurmctld") is None and os.geteuid() != 0:
+        pytest.skip("Slurm (slurm-wlm) is not installed and installing it needs root")
+    state = tmp_path_factory.mktemp("slurm")
+    started = subprocess.run(["bash", str(CLUSTER), "start", str(state)], capture_output=True, text=True,
+                             timeout=600)
+    if started.returncode == 3:
+        pytest.skip(started.stderr.strip())
+    assert started.returncode == 0, started.stdout + started.stderr
+    # jobs run with the submitter's environment: this venv's accelerate, offline Hub, the config
+    env = {**os.environ, "SLURM_CONF": str(state / "slurm.conf"),
+           "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    yield env
+    subprocess.run(["bash", str(CLUSTER), "stop", str(state)], capture_output=True, text=True, timeout=120)

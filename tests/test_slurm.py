@@ -16,28 +16,9 @@ import pytest
 
 from mlm_ddp.config import parse_args
 from mlm_ddp.train import train
-from tests.conftest import NO_DROPOUT, REPO, read_metrics, tiny_args, train_losses
+from tests.conftest import CLUSTER, NO_DROPOUT, REPO, read_metrics, tiny_args, train_losses
 
-CLUSTER = REPO / "tests" / "slurm_cluster.sh"
 STEPS = 40
-
-
-@pytest.fixture(scope="module")
-def slurm(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    """A running cluster; yields the environment its clients and jobs need."""
-    if shutil.which("slurmctld") is None and os.geteuid() != 0:
-        pytest.skip("Slurm (slurm-wlm) is not installed and installing it needs root")
-    state = tmp_path_factory.mktemp("slurm")
-    started = subprocess.run(["bash", str(CLUSTER), "start", str(state)], capture_output=True, text=True,
-                             timeout=600)
-    if started.returncode == 3:
-        pytest.skip(started.stderr.strip())
-    assert started.returncode == 0, started.stdout + started.stderr
-    # jobs run with the submitter's environment: this venv's accelerate, offline Hub, the config
-    env = {**os.environ, "SLURM_CONF": str(state / "slurm.conf"),
-           "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
-    yield env
-    subprocess.run(["bash", str(CLUSTER), "stop", str(state)], capture_output=True, text=True, timeout=120)
 
 
 def sbatch(env: dict, out: Path, *args: str) -> str:

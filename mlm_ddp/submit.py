@@ -1,0 +1,158 @@
+"""`python -m mlm_ddp.submit --nodes 2 [submit flags] [train flags]`: the same `train(cfg)`, submitted
+to Slurm through Submitit, requeued and resumed on preemption or timeout.
+
+One Submitit task per training process: per GPU on GPU nodes, `--procs_per_node` CPU processes
+otherwise. Each task is one rank, so no launcher runs inside the job: `mlm_ddp.distributed` reads the
+Slurm variables Submitit's `srun` sets (rank, world size, master = first node, port from the job id).
+
+Preemption and timeout: Slurm (via Submitit's `--signal`) sends USR2 to every task. Inside `train`,
+mlm_ddp's own handler catches it on every rank (Submitit's would checkpoint on rank 0 only, submitit
+#9): all ranks save one checkpoint at the next step boundary. Rank 0 then requeues the job, and the
+requeued job reruns this same task with `--resume_from_checkpoint auto`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from mlm_ddp import distributed as dist
+from mlm_ddp.config import ConfigError, parse_args
+from mlm_ddp.train import EXIT_BAD_INPUT, EXIT_REQUEUE, Preempted, setup_logging, train
+
+CLUSTERS = ("slurm", "local", "debug")
+
+
+class TrainTask:
+    """What every Submitit task runs. Picklable: it holds only the training flags."""
+
+    def __init__(self, train_argv: list[str]) -> None:
+        self.train_argv = train_argv
+
+    def __call__(self) -> dict[str, Any]:
+        setup_logging()
+        # flags given later win: a user's own --resume_from_checkpoint overrides auto
+        cfg = parse_args(["--resume_from_checkpoint", "auto", *self.train_argv])
+        try:
+            return dataclasses.asdict(train(cfg))
+        except Preempted as stop:
+            topo = dist.detect(cuda_devices=0)
+            print(f"mlm_ddp.submit: {stop}", file=sys.stderr, flush=True)
+            if topo.rank == 0 and "SLURM_JOB_ID" in os.environ:
+                subprocess.run(["scontrol", "requeue", os.environ["SLURM_JOB_ID"]], check=True, timeout=60)
+                print(f"mlm_ddp.submit: requeued job {os.environ['SLURM_JOB_ID']}", file=sys.stderr, flush=True)
+            # no result: Submitit must not record the job as done; the requeued run will finish it
+            sys.exit(EXIT_REQUEUE)
+
+    def checkpoint(self) -> Any:
+        """Submitit's own preemption path (a signal before training started): rerun as is."""
+        import submitit
+
+        return submitit.helpers.DelayedSubmission(TrainTask(self.train_argv))
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m mlm_ddp.submit", allow_abbrev=False,  # a training flag is never taken for ours
+        description="Submit mlm_ddp.train through Submitit. Flags not listed here are training flags "
+                    "(python -m mlm_ddp.train --help); they are checked before anything is submitted.")
+    p.add_argument("--nodes", type=int, default=1, help="nodes (default 1)")
+    p.add_argument("--gpus_per_node", type=int, default=0, help="GPUs per node; one task per GPU (default 0: CPU)")
+    p.add_argument("--procs_per_node", type=int, default=1,
+                   help="CPU only: training processes per node, one task each (default 1)")
+    p.add_argument("--cpus_per_task", type=int, default=None, help="CPU cores per task")
+    p.add_argument("--mem_gb", type=float, default=None, help="memory per node, GB")
+    p.add_argument("--timeout_min", type=int, default=24 * 60, help="time limit in minutes (default 1440)")
+    p.add_argument("--partition", default=None, help="Slurm partition")
+    p.add_argument("--account", default=None, help="Slurm account")
+    p.add_argument("--qos", default=None, help="Slurm QOS")
+    p.add_argument("--constraint", default=None, help="Slurm node constraint")
+    p.add_argument("--job_dir", default=None,
+                   help="folder for Submitit's files and the job logs (default: <output_dir>/submitit)")
+    p.add_argument("--cluster", choices=CLUSTERS, default="slurm",
+                   help="slurm; local (one process on this machine, no Slurm); debug (in this process)")
+    p.add_argument("--signal_delay_s", type=int, default=120,
+                   help="seconds before the time limit at which Slurm warns the job (default 120)")
+    p.add_argument("--wait", action="store_true", help="follow the job to its end and return its status")
+    return p
+
+
+def check_submit_args(args: argparse.Namespace) -> None:
+    if args.nodes < 1:
+        raise ConfigError(f"--nodes must be at least 1, got {args.nodes}")
+    if args.gpus_per_node < 0 or args.procs_per_node < 1:
+        raise ConfigError("--gpus_per_node must be >= 0 and --procs_per_node >= 1")
+    if args.cluster != "slurm" and (args.nodes > 1 or args.gpus_per_node > 1 or args.procs_per_node > 1):
+        raise ConfigError(f"--cluster {args.cluster} runs one process on this machine: use --nodes 1 and "
+                          "one process, or --cluster slurm")
+
+
+def writable_job_dir(path: Path) -> Path:
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / ".write-test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as err:
+        raise ConfigError(f"--job_dir {path}: cannot be written ({err.strerror or err})") from err
+    return path
+
+
+def submit(args: argparse.Namespace, train_argv: list[str]) -> Any:
+    import submitit
+
+    cfg = parse_args(train_argv)  # every training flag checked here, before anything is submitted
+    for flag, value in (("--train_file", cfg.data.train_file), ("--validation_file", cfg.data.validation_file)):
+        if value is not None and not Path(value).is_file():
+            raise ConfigError(f"{flag} {value}: no such file (the job would fail on it)")
+    job_dir = writable_job_dir(Path(args.job_dir or Path(cfg.run.output_dir) / "submitit"))
+    tasks = args.gpus_per_node or args.procs_per_node
+    executor = submitit.AutoExecutor(folder=job_dir / "%j", cluster=args.cluster)
+    params: dict[str, Any] = dict(name="mlm_ddp", nodes=args.nodes, tasks_per_node=tasks,
+                                  timeout_min=args.timeout_min)
+    if args.cpus_per_task:
+        params["cpus_per_task"] = args.cpus_per_task
+    if args.gpus_per_node:
+        params["gpus_per_node"] = args.gpus_per_node
+    if args.mem_gb:
+        params["mem_gb"] = args.mem_gb
+    if args.cluster == "slurm":
+        params.update(slurm_signal_delay_s=args.signal_delay_s,
+                      **{f"slurm_{k}": v for k, v in (("partition", args.partition), ("account", args.account),
+                                                       ("qos", args.qos), ("constraint", args.constraint)) if v})
+    executor.update_parameters(**params)
+    return executor.submit(TrainTask(train_argv))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, train_argv = parser().parse_known_args(argv)
+    try:
+        check_submit_args(args)
+        job = submit(args, train_argv)
+    except ConfigError as err:
+        print(f"mlm_ddp.submit: error: {err}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    print(f"submitted job {job.job_id} ({args.nodes} node(s))")
+    if args.cluster != "debug":
+        print(f"  log: {job.paths.stdout}\n  errors: {job.paths.stderr}\n  follow: tail -f {job.paths.stderr}")
+    if not args.wait:
+        return 0
+    started = time.monotonic()
+    try:
+        result = job.results()[0]  # one result per task; rank 0's describes the run
+    except Exception as err:  # submitit re-raises the task's failure with its traceback
+        print(f"mlm_ddp.submit: job {job.job_id} failed: {err}", file=sys.stderr)
+        return 1
+    print(f"job {job.job_id} finished in {time.monotonic() - started:.0f} s: {result['steps']} steps, "
+          f"model in {result['final_dir']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
