@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 os.environ["HF_HUB_OFFLINE"] = "1"
@@ -93,6 +94,22 @@ def read_metrics(out: Path) -> list[dict]:
 def train_losses(out: Path) -> dict[int, float]:
     """step -> training loss, from a run's metrics.jsonl."""
     return {r["step"]: r["loss"] for r in read_metrics(out) if "loss" in r}
+
+
+def wait_for(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def last_step(out: Path) -> int:
+    path = out / "metrics.jsonl"
+    if not path.exists():
+        return 0
+    steps = [json.loads(line).get("step", 0) for line in path.read_text().splitlines() if line.strip()]
+    return max(steps, default=0)
 
 
 def run_module(args: list[str], cwd: Path | None = None, env: dict | None = None,

@@ -22,7 +22,7 @@ from safetensors.torch import load_file, save_file
 
 from mlm_ddp.checkpoint import SLOW_SAVE_ENV
 from mlm_ddp.train import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_NONFINITE, EXIT_REQUEUE, main
-from tests.conftest import REPO, read_metrics, tiny_args, train_losses
+from tests.conftest import REPO, last_step, read_metrics, tiny_args, train_losses, wait_for
 from tests.test_topology import CONFIGS, LAUNCH, free_port
 
 
@@ -35,22 +35,6 @@ def snapshot(root: Path) -> dict[str, str]:
 def popen(args: list[str], env: dict | None = None) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", *args], cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1",
                             **(env or {})}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-
-
-def wait_for(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
-
-
-def last_step(out: Path) -> int:
-    path = out / "metrics.jsonl"
-    if not path.exists():
-        return 0
-    steps = [json.loads(line).get("step", 0) for line in path.read_text().splitlines() if line.strip()]
-    return max(steps, default=0)
 
 
 def workers_of(launcher_pid: int) -> dict[int, int]:

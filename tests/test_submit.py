@@ -7,7 +7,6 @@ import json
 import re
 import subprocess
 import sys
-import time
 from datetime import datetime
 from pathlib import Path
 
@@ -16,7 +15,7 @@ import pytest
 from mlm_ddp.config import parse_args
 from mlm_ddp.submit import main
 from mlm_ddp.train import train
-from tests.conftest import NO_DROPOUT, REPO, read_metrics, tiny_args, train_losses
+from tests.conftest import NO_DROPOUT, REPO, last_step, read_metrics, tiny_args, train_losses, wait_for
 from tests.test_slurm import wait_done
 
 STEPS = 30
@@ -85,11 +84,7 @@ def test_preemption_saves_on_every_rank_requeues_and_resumes(slurm: dict, submit
     proc = submit(slurm, "--nodes", "2", "--partition", "test", *job_args(tiny_model, corpus, out))
     assert proc.returncode == 0, proc.stderr
     job = re.search(r"submitted job (\d+)", proc.stdout).group(1)
-    deadline = time.monotonic() + 180
-    while max((r.get("step", 0) for r in (read_metrics(out) if (out / "metrics.jsonl").exists() else [])),
-              default=0) < 5:
-        assert time.monotonic() < deadline, "the job never reached step 5"
-        time.sleep(0.2)
+    wait_for(lambda: last_step(out) >= 5, 180, "step 5 of the job")
     signalled = datetime.now()
     subprocess.run(["scancel", "--signal=USR2", job], env=slurm, check=True)  # as Slurm warns Submitit jobs
     assert wait_done(slurm, job, 400) == "COMPLETED"
