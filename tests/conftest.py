@@ -112,6 +112,20 @@ def last_step(out: Path) -> int:
     return max(steps, default=0)
 
 
+def assert_matches_one_process(run: Path, tiny_model: Path, corpus: dict[str, Path], scratch: Path,
+                               steps: int, global_batch: int = 16) -> None:
+    """`run` (several processes, dropout off) trained every step to the curve of one local process
+    with the same global batch."""
+    from mlm_ddp.config import parse_args
+    from mlm_ddp.train import train
+
+    train(parse_args(tiny_args(tiny_model, corpus, scratch, "--max_train_steps", str(steps), *NO_DROPOUT,
+                               "--per_device_train_batch_size", str(global_batch))))
+    local, distributed = train_losses(scratch), train_losses(run)
+    assert sorted(distributed) == list(range(1, steps + 1))
+    assert max(abs(local[s] - distributed[s]) / local[s] for s in local) <= 1e-4
+
+
 def run_module(args: list[str], cwd: Path | None = None, env: dict | None = None,
                timeout: float = 600) -> subprocess.CompletedProcess:
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}

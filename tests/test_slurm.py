@@ -14,9 +14,17 @@ from pathlib import Path
 
 import pytest
 
-from mlm_ddp.config import parse_args
-from mlm_ddp.train import train
-from tests.conftest import CLUSTER, NO_DROPOUT, REPO, last_step, read_metrics, tiny_args, train_losses, wait_for
+from tests.conftest import (
+    CLUSTER,
+    NO_DROPOUT,
+    REPO,
+    assert_matches_one_process,
+    last_step,
+    read_metrics,
+    tiny_args,
+    train_losses,
+    wait_for,
+)
 
 STEPS = 40
 
@@ -64,11 +72,7 @@ def test_two_nodes_form_one_group_and_train_the_local_curve(uninterrupted: Path,
     assert "2 node(s) x 1 process(es), master n1:" in log
     assert "topology: 2 process(es) on 2 node(s), DistributedType.MULTI_CPU, started by torchrun (master n1:" in log
     # the same global batch (2 nodes x 8) in one local process
-    train(parse_args(tiny_args(tiny_model, corpus, tmp_path, "--max_train_steps", str(STEPS), *NO_DROPOUT,
-                               "--per_device_train_batch_size", "16")))
-    local, nodes = train_losses(tmp_path), train_losses(uninterrupted)
-    assert sorted(nodes) == list(range(1, STEPS + 1))
-    assert max(abs(local[s] - nodes[s]) / local[s] for s in local) <= 1e-4
+    assert_matches_one_process(uninterrupted, tiny_model, corpus, tmp_path, STEPS)
 
 
 def test_preemption_checkpoints_requeues_and_resumes(slurm: dict, uninterrupted: Path, tiny_model: Path,

@@ -12,10 +12,17 @@ from pathlib import Path
 
 import pytest
 
-from mlm_ddp.config import parse_args
 from mlm_ddp.submit import main
-from mlm_ddp.train import train
-from tests.conftest import NO_DROPOUT, REPO, last_step, read_metrics, tiny_args, train_losses, wait_for
+from tests.conftest import (
+    NO_DROPOUT,
+    REPO,
+    assert_matches_one_process,
+    last_step,
+    read_metrics,
+    tiny_args,
+    train_losses,
+    wait_for,
+)
 from tests.test_slurm import wait_done
 
 STEPS = 30
@@ -71,11 +78,7 @@ def submitted(slurm: dict, tiny_model: Path, corpus: dict, tmp_path_factory: pyt
 def test_two_nodes_train_the_local_curve(submitted: Path, tiny_model: Path, corpus: dict, tmp_path: Path) -> None:
     log = "\n".join(p.read_text() for p in (submitted / "submitit").rglob("*_0_log.err"))
     assert "topology: 2 process(es) on 2 node(s), DistributedType.MULTI_CPU, started by submitit (master n1:" in log
-    train(parse_args(tiny_args(tiny_model, corpus, tmp_path, "--max_train_steps", str(STEPS), *NO_DROPOUT,
-                               "--per_device_train_batch_size", "16")))
-    local, nodes = train_losses(tmp_path), train_losses(submitted)
-    assert sorted(nodes) == list(range(1, STEPS + 1))
-    assert max(abs(local[s] - nodes[s]) / local[s] for s in local) <= 1e-4
+    assert_matches_one_process(submitted, tiny_model, corpus, tmp_path, STEPS)
 
 
 def test_preemption_saves_on_every_rank_requeues_and_resumes(slurm: dict, submitted: Path, tiny_model: Path,
