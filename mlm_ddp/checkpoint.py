@@ -35,7 +35,7 @@ RESUMABLE_CHANGES = {
     "run.checkpointing_steps", "run.save_total_limit", "run.resume_from_checkpoint", "run.with_tracking",
     "run.report_to", "run.stop_signals", "run.ddp_timeout", "run.preprocessing_timeout",
     "run.on_nonfinite_loss", "training.max_train_steps", "training.num_train_epochs", "training.cpu_threads",
-    "data.preprocessing_num_workers",
+    "data.preprocessing_num_workers", "model.mlm_head", "training.optimizer_impl", "training.torch_compile",
 }
 _STEP_DIR = re.compile(r"^step-(\d{7,})$")
 

@@ -52,6 +52,12 @@ class ModelConfig:
     attn_implementation: Literal["sdpa", "eager"] = _doc(
         "Attention kernel: 'sdpa' (torch scaled_dot_product_attention) or 'eager'.", default="sdpa"
     )
+    mlm_head: Literal["masked", "all"] = _doc(
+        "Where the MLM head (transform + decoder over the vocabulary) runs: on the 'masked' positions "
+        "only, gathered first (the same loss; README 'Performance' has the measured speed-up), or on "
+        "'all' positions as transformers' *ForMaskedLM does.",
+        default="masked",
+    )
 
     def __post_init__(self) -> None:
         if self.config_overrides is not None:
@@ -159,9 +165,21 @@ class TrainingConfig:
         "Total optimizer steps; overrides --num_train_epochs. Required with --streaming.", default=None
     )
     gradient_accumulation_steps: int = _doc("Micro-batches per optimizer step.", default=1)
-    mixed_precision: Literal["no", "fp16", "bf16"] = _doc(
-        "Mixed precision, passed to Accelerator(...) explicitly (an accelerate YAML does not override it).",
-        default="no",
+    mixed_precision: Literal["auto", "no", "fp16", "bf16"] = _doc(
+        "Mixed precision, passed to Accelerator(...) explicitly (an accelerate YAML does not override it). "
+        "'auto': bf16 on GPUs that support it and on CPUs with native bf16 (AVX512/AMX), else 'no' "
+        "(on an AVX2-only CPU bf16 is emulated and several times slower than fp32).",
+        default="auto",
+    )
+    optimizer_impl: Literal["fused", "foreach", "for-loop"] = _doc(
+        "AdamW implementation: 'fused' (one kernel for all parameters), 'foreach' (batched tensor ops) or "
+        "'for-loop' (torch's per-parameter reference, its CPU default). All compute the same update.",
+        default="fused",
+    )
+    torch_compile: bool = _doc(
+        "torch.compile the encoder (in place: checkpoints keep their keys). Costs a compilation at the "
+        "first step; README 'Performance' has its measured effect.",
+        default=False,
     )
     seed: int = _doc("Seed of the data order, the masks and the model's random initialisation.", default=42)
     cpu_threads: int | None = _doc(

@@ -105,17 +105,46 @@ def load_model(cfg: ModelConfig, model_config: Any) -> PreTrainedModel:
     return model
 
 
-def mlm_loss_sums(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
-    """(sum of cross-entropy over masked tokens, number of masked tokens, number predicted right).
+MLM_HEAD_ATTRIBUTES = ("cls", "lm_head")  # BERT-style and RoBERTa-style masked-LM heads
+
+
+def loss_sums(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """(sum of cross-entropy, number of targets, number predicted right) of logits (N, V), targets (N,).
 
     Sums, not means, so that callers can normalise by the masked tokens of a whole optimizer step
-    across micro-batches and ranks (DESIGN.md, pitfall 10).
+    across micro-batches and ranks (DESIGN.md, pitfall 10). The loss is taken in fp32.
     """
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits  # (B, T, V)
-    labels = batch["labels"]  # (B, T)
-    selected = labels != IGNORE_INDEX
-    picked = logits[selected].float()  # (N, V) the N masked positions, loss in fp32
-    targets = labels[selected]  # (N,)
-    loss_sum = F.cross_entropy(picked, targets, reduction="sum")
-    correct = (picked.argmax(dim=-1) == targets).sum()
-    return loss_sum, selected.sum(), correct
+    logits = logits.float()
+    loss_sum = F.cross_entropy(logits, targets, reduction="sum")
+    correct = (logits.argmax(dim=-1) == targets).sum()
+    return loss_sum, torch.tensor(targets.numel(), device=targets.device), correct
+
+
+class MaskedLMLoss(torch.nn.Module):
+    """A transformers masked-LM model whose forward returns the loss as sums (`loss_sums`).
+
+    With `masked_only` the encoder runs on every position but the head (transform + decoder over the
+    whole vocabulary) only on the ~15% masked ones, gathered first, as the fast BERT trainers do
+    (DESIGN.md, pitfall 11): the same loss and gradients, with a fraction of the head's FLOPs and no
+    (B, T, V) logits tensor. This module is what `accelerator.prepare` wraps, so DDP's gradient
+    hooks see the whole computation; `.model` is the transformers model that `save_pretrained` writes.
+    """
+
+    def __init__(self, model: PreTrainedModel, masked_only: bool = True) -> None:
+        super().__init__()
+        self.model = model
+        self.head_name = next(
+            (name for name in MLM_HEAD_ATTRIBUTES if isinstance(getattr(model, name, None), torch.nn.Module)), None
+        )
+        self.masked_only = masked_only and self.head_name is not None  # else the model's own forward
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                labels: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        selected = labels != IGNORE_INDEX  # (B, T)
+        targets = labels[selected]  # (N,)
+        if self.masked_only:
+            hidden = self.model.base_model(input_ids=input_ids, attention_mask=attention_mask)[0]  # (B, T, H)
+            logits = getattr(self.model, self.head_name)(hidden[selected])  # (N, V)
+        else:
+            logits = self.model(input_ids=input_ids, attention_mask=attention_mask).logits[selected]  # (N, V)
+        return loss_sums(logits, targets)

@@ -36,7 +36,14 @@ from mlm_ddp import data as mdata
 from mlm_ddp import distributed as dist
 from mlm_ddp.config import Config, ConfigError, parse_args
 from mlm_ddp.masking import EVAL_SPLIT, IGNORE_INDEX, TRAIN_SPLIT, MaskingCollator
-from mlm_ddp.model import load_model, load_model_config, load_tokenizer, max_positions, mlm_loss_sums
+from mlm_ddp.model import (
+    MLM_HEAD_ATTRIBUTES,
+    MaskedLMLoss,
+    load_model,
+    load_model_config,
+    load_tokenizer,
+    max_positions,
+)
 
 logger = get_logger(__name__)
 METRIC_MODULE = str(Path(__file__).parent / "metrics" / "masked_lm")
@@ -203,7 +210,7 @@ def evaluate_mlm(model: torch.nn.Module, loader: DataLoader | None, accelerator:
     sums = torch.zeros(3, dtype=torch.float64, device=accelerator.device)  # loss, masked, correct
     with torch.no_grad(), accelerator.autocast():
         for batch in eval_batches(loader, accelerator):
-            loss_sum, masked, correct = mlm_loss_sums(net, batch)
+            loss_sum, masked, correct = net(**batch)
             sums += torch.stack([loss_sum.double(), masked.double(), correct.double()])
     net.train(was_training)
     loss_sum, masked, correct = accelerator.reduce(sums, reduction="sum").tolist()
@@ -300,7 +307,10 @@ def save_final(accelerator: Accelerator, model: torch.nn.Module, tokenizer: Any,
     if accelerator.is_main_process:
         if tmp.exists():
             shutil.rmtree(tmp)
-        accelerator.unwrap_model(model).save_pretrained(tmp, state_dict=weights, safe_serialization=True)
+        inner = accelerator.unwrap_model(model).model  # the transformers model inside MaskedLMLoss
+        prefix = "model."
+        weights = {k.removeprefix(prefix): v for k, v in weights.items()}
+        inner.save_pretrained(tmp, state_dict=weights, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         if final.exists():
             shutil.rmtree(final)
@@ -357,14 +367,40 @@ def patient_main_process_first(accelerator: Accelerator, timeout_s: int) -> Iter
 
 
 def build_optimizer(model: torch.nn.Module, cfg: Config) -> torch.optim.Optimizer:
-    """AdamW; biases and normalisation weights (every tensor with < 2 dims) get no weight decay."""
+    """AdamW (--optimizer_impl); biases and normalisation weights (tensors with < 2 dims) get no weight decay."""
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [
         {"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.training.weight_decay},
         {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
     ]
     t = cfg.training
-    return torch.optim.AdamW(groups, lr=t.learning_rate, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_epsilon)
+    impl = {"fused": {"fused": True}, "foreach": {"foreach": True}, "for-loop": {"foreach": False}}
+    return torch.optim.AdamW(groups, lr=t.learning_rate, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_epsilon,
+                             **impl[t.optimizer_impl])
+
+
+def build_model(cfg: Config, model_config: Any) -> MaskedLMLoss:
+    """The transformers model in its loss wrapper (--mlm_head), the encoder compiled if asked."""
+    model = MaskedLMLoss(load_model(cfg.model, model_config), masked_only=cfg.model.mlm_head == "masked")
+    if cfg.model.mlm_head == "masked" and not model.masked_only:
+        logger.warning("%s has no single MLM head module (%s): its head runs on every position, as with "
+                       "--mlm_head all", type(model.model).__name__, " or ".join(MLM_HEAD_ATTRIBUTES))
+    if cfg.training.torch_compile:
+        model.model.base_model.compile()  # in place: parameter names, so checkpoints, stay the same
+    return model
+
+
+def forward_backward(accelerator: Accelerator, model: torch.nn.Module, micro: list[dict[str, torch.Tensor]],
+                     scale: torch.Tensor) -> torch.Tensor:
+    """Forward and backward of one optimizer step's micro-batches, gradients summed (DDP all-reduces
+    on the last one); returns (loss sum, masked tokens, input tokens) over them, float64 (3,)."""
+    sums = torch.zeros(3, dtype=torch.float64, device=accelerator.device)
+    for batch in micro:
+        with accelerator.accumulate(model):
+            loss_sum, n_masked, _ = model(**batch)
+            accelerator.backward(loss_sum * scale)
+        sums += torch.stack([loss_sum.detach().double(), n_masked.double(), batch["attention_mask"].sum().double()])
+    return sums
 
 
 # ---------------------------------------------------------------------------------------------
@@ -404,9 +440,10 @@ def _train(cfg: Config, stop: StopSignals) -> TrainResult:
     # --- 2. processes, data, model -----------------------------------------------------------
     t = cfg.training
     dist.export_for_accelerate(topo)
+    precision = dist.resolve_precision(t.mixed_precision, cuda=bool(topo.cuda_devices))
     accelerator = Accelerator(
         cpu=not topo.cuda_devices,  # else a CPU process started by torchrun or srun trains alone
-        mixed_precision=t.mixed_precision,  # from our config, so every launcher trains alike
+        mixed_precision=precision,  # from our config, so every launcher trains alike
         gradient_accumulation_plugin=GradientAccumulationPlugin(
             num_steps=t.gradient_accumulation_steps, sync_with_dataloader=False),
         # fail fast: when a process dies, the others stop within this time instead of hanging
@@ -419,10 +456,10 @@ def _train(cfg: Config, stop: StopSignals) -> TrainResult:
     if accelerator.device.type == "cpu":
         torch.set_num_threads(dist.cpu_threads_per_process(t.cpu_threads))
     asked = dist.launcher_precision()
-    if asked is not None and asked != t.mixed_precision:
+    if asked is not None and asked != precision:
         logger.warning("the accelerate config asks for mixed precision %s; mlm_ddp trains with "
                        "--mixed_precision %s (training choices come from the mlm_ddp config: pass "
-                       "--mixed_precision %s to use it)", asked, t.mixed_precision, asked)
+                       "--mixed_precision %s to use it)", asked, precision, asked)
     if accelerator.is_main_process:
         if cfg.run.overwrite_output_dir:
             for name in RUN_OUTPUTS:
@@ -465,7 +502,7 @@ def _train(cfg: Config, stop: StopSignals) -> TrainResult:
                      "global batch")
 
     set_seed(t.seed)  # the fresh MLM head (if any) is initialised identically on every rank
-    model = load_model(cfg.model, model_config)
+    model = build_model(cfg, model_config)
     optimizer = build_optimizer(model, cfg)
     scheduler = get_scheduler(t.lr_scheduler_type, optimizer, num_warmup_steps=t.num_warmup_steps,
                               num_training_steps=total_steps)
@@ -490,7 +527,8 @@ def _train(cfg: Config, stop: StopSignals) -> TrainResult:
                 "%d = %d per device x %d processes x %d accumulation; precision %s; device %s (%d threads)",
                 world, topo.num_nodes, accelerator.distributed_type, topo.launcher, topo.master_addr or "-",
                 topo.master_port or "-", t.per_device_train_batch_size * world * ga,
-                t.per_device_train_batch_size, world, ga, t.mixed_precision, accelerator.device,
+                t.per_device_train_batch_size, world, ga,
+                precision + (" (auto)" if t.mixed_precision == "auto" else ""), accelerator.device,
                 torch.get_num_threads())
     logger.info("data: %s; %d optimizer steps", data_note, total_steps)
 
@@ -546,30 +584,25 @@ def _train(cfg: Config, stop: StopSignals) -> TrainResult:
             position = ckpt.TrainerState(step, epoch_before, index_before, tokens_total(), world)
             preempt(accelerator, cfg, position, scheduler, stream_before, stop.received, saved_step == step)
         scale = world * ga / masked.clamp(min=1)  # DDP averages over ranks, backward() divides by ga
-        for batch in micro:
-            with accelerator.accumulate(model):
-                loss_sum, n_masked, _ = mlm_loss_sums(model, batch)
-                accelerator.backward(loss_sum * scale)
-                if accelerator.sync_gradients:
-                    # the gradients are the same on every rank after DDP's all-reduce, so is this norm:
-                    # every rank takes the same decision below without another collective
-                    norm = accelerator.clip_grad_norm_(model.parameters(), t.max_grad_norm or math.inf)
-                    if t.mixed_precision == "fp16" or torch.isfinite(norm):  # fp16: the scaler skips
-                        optimizer.step()
-                    elif cfg.run.on_nonfinite_loss == "skip":
-                        skipped_steps += 1
-                        logger.warning("step %d: gradient norm %s, optimizer step skipped (%d so far)",
-                                       step + 1, norm.item(), skipped_steps)
-                    else:
-                        latest = ckpt.complete_checkpoints(out)
-                        raise NonFiniteLoss(
-                            f"step {step + 1}: the gradient norm is {norm.item()} (loss or gradients NaN/inf); "
-                            + (f"the last good checkpoint is {latest[-1]}" if latest else "no checkpoint was saved")
-                            + ". Lower --learning_rate, check the data, or pass --on_nonfinite_loss skip")
-                    optimizer.zero_grad(set_to_none=True)
-            n_input = batch["attention_mask"].sum()
-            sums += torch.stack([loss_sum.detach().double(), n_masked.double(), n_input.double()])
-            tokens_local += n_input
+        window = forward_backward(accelerator, model, micro, scale)
+        sums += window
+        tokens_local += window[2]
+        # the gradients are the same on every rank after DDP's all-reduce, so is this norm: every
+        # rank takes the same decision below without another collective
+        norm = accelerator.clip_grad_norm_(model.parameters(), t.max_grad_norm or math.inf)
+        if precision == "fp16" or torch.isfinite(norm):  # fp16: the scaler skips non-finite steps
+            optimizer.step()
+        elif cfg.run.on_nonfinite_loss == "skip":
+            skipped_steps += 1
+            logger.warning("step %d: gradient norm %s, optimizer step skipped (%d so far)",
+                           step + 1, norm.item(), skipped_steps)
+        else:
+            latest = ckpt.complete_checkpoints(out)
+            raise NonFiniteLoss(
+                f"step {step + 1}: the gradient norm is {norm.item()} (loss or gradients NaN/inf); "
+                + (f"the last good checkpoint is {latest[-1]}" if latest else "no checkpoint was saved")
+                + ". Lower --learning_rate, check the data, or pass --on_nonfinite_loss skip")
+        optimizer.zero_grad(set_to_none=True)
         scheduler.step()
         step += 1
         progress.update(1)

@@ -209,14 +209,14 @@ def test_fsdp_eval_padding_adds_nothing_to_the_sums(tiny_model: Path) -> None:
     import torch
     from transformers import AutoModelForMaskedLM
 
-    from mlm_ddp.model import mlm_loss_sums
+    from mlm_ddp.model import MaskedLMLoss
     from mlm_ddp.train import padded
 
-    model = AutoModelForMaskedLM.from_pretrained(tiny_model).eval()
+    model = MaskedLMLoss(AutoModelForMaskedLM.from_pretrained(tiny_model)).eval()
     real = {"input_ids": torch.tensor([[2, 40, 50, 3]]), "attention_mask": torch.ones(1, 4, dtype=torch.long),
             "labels": torch.tensor([[-100, 40, -100, -100]])}
     batches = list(padded([real], 3))
     assert len(batches) == 3 and batches[0] is real
     with torch.no_grad():
-        sums = [torch.stack([t.double() for t in mlm_loss_sums(model, b)]) for b in batches]
+        sums = [torch.stack([t.double() for t in model(**b)]) for b in batches]
     assert sums[0][1] == 1 and sums[1].tolist() == sums[2].tolist() == [0.0, 0.0, 0.0]

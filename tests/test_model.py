@@ -1,0 +1,101 @@
+"""The masked-only MLM head computes the loss and gradients of the full head (issue 9)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import (
+    BertConfig,
+    BertForMaskedLM,
+    DistilBertConfig,
+    DistilBertForMaskedLM,
+    RobertaConfig,
+    RobertaForMaskedLM,
+)
+
+from mlm_ddp.masking import IGNORE_INDEX
+from mlm_ddp.model import MaskedLMLoss
+
+VOCAB = 500
+
+
+def batch(seed: int, shape: tuple[int, int] = (4, 24)) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(5, VOCAB, shape, generator=g)
+    attention_mask = torch.ones(shape, dtype=torch.long)
+    attention_mask[-1, shape[1] // 2:] = 0  # one short block, padded
+    labels = torch.where(torch.rand(shape, generator=g) < 0.15, input_ids, IGNORE_INDEX)
+    labels[attention_mask == 0] = IGNORE_INDEX
+    labels[0, 1] = input_ids[0, 1]  # at least one masked token
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+
+
+def tiny(kind: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    size = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64)
+    if kind == "bert":
+        return BertForMaskedLM(BertConfig(**size, max_position_embeddings=64))
+    if kind == "roberta":
+        return RobertaForMaskedLM(RobertaConfig(**size, max_position_embeddings=80, pad_token_id=1))
+    return DistilBertForMaskedLM(DistilBertConfig(vocab_size=VOCAB, dim=32, n_layers=2, n_heads=2, hidden_dim=64))
+
+
+def reference_loss(model: torch.nn.Module, b: dict[str, torch.Tensor]) -> torch.Tensor:
+    """transformers' own MLM loss (mean over masked tokens, full head), as a sum."""
+    out = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"], labels=b["labels"])
+    return out.loss * (b["labels"] != IGNORE_INDEX).sum()
+
+
+@pytest.mark.parametrize("kind", ["bert", "roberta"])
+def test_masked_only_head_gives_the_full_head_loss_and_gradients(kind: str) -> None:
+    model = tiny(kind).eval()  # no dropout: the two paths must see the same computation
+    masked, full = MaskedLMLoss(model, masked_only=True), MaskedLMLoss(model, masked_only=False)
+    assert masked.masked_only and not full.masked_only
+    b = batch(1)
+    grads = {}
+    for name, net in (("masked", masked), ("full", full), ("reference", None)):
+        model.zero_grad()
+        loss_sum = reference_loss(model, b) if net is None else net(**b)[0]
+        loss_sum.backward()
+        grads[name] = (loss_sum.detach(), {n: p.grad.clone() for n, p in model.named_parameters()})
+    (loss_m, g_m), (loss_f, g_f), (loss_r, _) = grads["masked"], grads["full"], grads["reference"]
+    assert abs(loss_m - loss_f) <= 1e-5 * abs(loss_f) and abs(loss_f - loss_r) <= 1e-5 * abs(loss_r)
+    assert g_m.keys() == g_f.keys()
+    # fp32 sums in another order: equal up to rounding, measured against the largest gradient (a
+    # key bias has a true gradient of 0 and rounding noise of 1e-11 on both paths)
+    scale = max(float(g.abs().max()) for g in g_f.values())
+    for n in g_m:
+        torch.testing.assert_close(g_m[n], g_f[n], rtol=1e-5, atol=1e-6 * scale, msg=n)
+    # the counts: masked tokens and right predictions agree too
+    assert [int(x) for x in masked(**b)[1:]] == [int(x) for x in full(**b)[1:]]
+    assert int(masked(**b)[1]) == int((b["labels"] != IGNORE_INDEX).sum())
+
+
+def test_masked_only_head_never_builds_the_full_logits() -> None:
+    # what makes it fast: the decoder sees (N, H), never (B, T, H)
+    model = tiny("bert").eval()
+    seen = []
+    model.cls.predictions.decoder.register_forward_hook(lambda _m, args, _out: seen.append(tuple(args[0].shape)))
+    b = batch(2)
+    MaskedLMLoss(model)(**b)
+    assert seen == [(int((b["labels"] != IGNORE_INDEX).sum()), 32)]
+
+
+def test_a_model_without_a_single_head_module_falls_back_to_the_full_head() -> None:
+    model = tiny("distilbert").eval()
+    wrapped = MaskedLMLoss(model, masked_only=True)
+    assert not wrapped.masked_only
+    b = batch(3)
+    assert torch.allclose(wrapped(**b)[0], reference_loss(model, b), rtol=1e-5)
+
+
+def test_a_batch_without_masked_tokens_adds_zero_and_still_reaches_every_parameter() -> None:
+    # DDP (find_unused_parameters=False) needs every parameter in the graph even when a rank's
+    # micro-batch has nothing to predict
+    model = tiny("bert").eval()
+    b = batch(4)
+    b["labels"][:] = IGNORE_INDEX
+    loss_sum, n, correct = MaskedLMLoss(model)(**b)
+    assert float(loss_sum.detach()) == 0.0 and int(n) == 0 and int(correct) == 0
+    loss_sum.backward()
+    assert all(p.grad is not None for p in model.parameters())
