@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -84,6 +85,12 @@ class MaskingCollator:
     def __post_init__(self) -> None:
         self._special = np.asarray(sorted(set(self.special_ids)), dtype=np.int64)
         self._replacement_ids = np.setdiff1d(np.arange(self.vocab_size, dtype=np.int64), self._special)
+
+    @classmethod
+    def for_tokenizer(cls, tokenizer: Any, **kwargs: Any) -> MaskingCollator:
+        """The collator of a (fast) tokenizer's special tokens and vocabulary; kwargs: the other fields."""
+        return cls(mask_token_id=tokenizer.mask_token_id, pad_token_id=tokenizer.pad_token_id,
+                   special_ids=tokenizer.all_special_ids, vocab_size=len(tokenizer), **kwargs)
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch

@@ -379,9 +379,9 @@ def build_optimizer(model: torch.nn.Module, cfg: Config) -> torch.optim.Optimize
                              **impl[t.optimizer_impl])
 
 
-def build_model(cfg: Config, model_config: Any) -> MaskedLMLoss:
+def wrap_model(cfg: Config, transformers_model: torch.nn.Module) -> MaskedLMLoss:
     """The transformers model in its loss wrapper (--mlm_head), the encoder compiled if asked."""
-    model = MaskedLMLoss(load_model(cfg.model, model_config), masked_only=cfg.model.mlm_head == "masked")
+    model = MaskedLMLoss(transformers_model, masked_only=cfg.model.mlm_head == "masked")
     if cfg.model.mlm_head == "masked" and not model.masked_only:
         logger.warning("%s has no single MLM head module (%s): its head runs on every position, as with "
                        "--mlm_head all", type(model.model).__name__, " or ".join(MLM_HEAD_ATTRIBUTES))
@@ -475,16 +475,14 @@ def _train(cfg: Config, stop: StopSignals) -> TrainResult:
         train_ds = mdata.rank_dataset(raw_train, tokenizer, cfg.data, rank, world, shuffle_seed=t.seed)
         eval_ds = None if raw_eval is None else mdata.rank_dataset(raw_eval, tokenizer, cfg.data, rank, world)
         metric = evaluate.load(METRIC_MODULE)
-    collator_args = dict(mask_token_id=tokenizer.mask_token_id, pad_token_id=tokenizer.pad_token_id,
-                         special_ids=tokenizer.all_special_ids, vocab_size=len(tokenizer),
-                         mlm_probability=cfg.data.mlm_probability,
-                         whole_word_mask=cfg.data.whole_word_mask, seed=t.seed)
-    train_collator = MaskingCollator(split=TRAIN_SPLIT, **collator_args)
+    collator_args = dict(mlm_probability=cfg.data.mlm_probability, whole_word_mask=cfg.data.whole_word_mask,
+                         seed=t.seed)
+    train_collator = MaskingCollator.for_tokenizer(tokenizer, split=TRAIN_SPLIT, **collator_args)
     train_dl = mdata.train_loader(train_ds, train_collator, t.per_device_train_batch_size, rank, world,
                                   t.seed, cfg.data.dataloader_num_workers)
     eval_dl = None if eval_ds is None else mdata.eval_loader(
-        eval_ds, MaskingCollator(split=EVAL_SPLIT, **collator_args), t.per_device_eval_batch_size,
-        rank, world, cfg.data.dataloader_num_workers)
+        eval_ds, MaskingCollator.for_tokenizer(tokenizer, split=EVAL_SPLIT, **collator_args),
+        t.per_device_eval_batch_size, rank, world, cfg.data.dataloader_num_workers)
 
     ga = t.gradient_accumulation_steps
     if mdata.is_stream(train_ds):
@@ -502,7 +500,7 @@ def _train(cfg: Config, stop: StopSignals) -> TrainResult:
                      "global batch")
 
     set_seed(t.seed)  # the fresh MLM head (if any) is initialised identically on every rank
-    model = build_model(cfg, model_config)
+    model = wrap_model(cfg, load_model(cfg.model, model_config))
     optimizer = build_optimizer(model, cfg)
     scheduler = get_scheduler(t.lr_scheduler_type, optimizer, num_warmup_steps=t.num_warmup_steps,
                               num_training_steps=total_steps)

@@ -1,0 +1,348 @@
+"""`python -m mlm_ddp.bench`: training throughput of transformers' MLM recipe against mlm_ddp's step.
+
+Both recipes train copies of the SAME model (identical initial weights, checked) on the SAME packed
+blocks, in one process, alternating (a) and (b) `--repeats` times after a warm-up, so that a noisy,
+shared machine slows both alike; the ratio is what to read, never one absolute number.
+
+(a) the standard Hugging Face recipe, as `run_mlm_no_trainer.py` does it: `AutoModelForMaskedLM`
+    with its head over the whole vocabulary at every position, `DataCollatorForLanguageModeling`,
+    `model(**batch).loss`, `accelerator.backward`, torch's default AdamW.
+(b) mlm_ddp's training step with its defaults: the functions `mlm_ddp.train` runs (MaskedLMLoss,
+    MaskingCollator, forward_backward, gradient clipping, build_optimizer).
+
+After training, both models are evaluated on the same held-out blocks with the same masks.
+A benchmark, not a test: nothing here asserts a speed.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any, Literal
+
+import torch
+from accelerate import Accelerator
+from transformers import AutoModelForMaskedLM, DataCollatorForLanguageModeling, HfArgumentParser
+
+from mlm_ddp import data as mdata
+from mlm_ddp import distributed as dist
+from mlm_ddp.config import ConfigError, ModelConfig, _doc, from_dict
+from mlm_ddp.masking import EVAL_SPLIT, IGNORE_INDEX, TRAIN_SPLIT, MaskingCollator
+from mlm_ddp.model import MaskedLMLoss, load_model, load_model_config, load_tokenizer, resolve_model_path
+from mlm_ddp.train import build_optimizer, forward_backward, wrap_model
+
+PRECISIONS = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}  # bench name -> Accelerator(mixed_precision=)
+
+
+@dataclass
+class BenchConfig:
+    """What to benchmark. The data is the embedded corpus (Python's documentation), packed."""
+
+    model: str | None = _doc("Model folder; default: the embedded all-MiniLM-L6-v2.", default=None)
+    config_overrides: str | None = _doc(
+        "Model config overrides for BOTH recipes, e.g. 'num_hidden_layers=12,hidden_size=768,"
+        "num_attention_heads=12,intermediate_size=3072' for a randomly initialised bert-base size.",
+        default=None,
+    )
+    random_init: bool = _doc("Initialise the model from its config instead of loading weights.", default=False)
+    steps: int = _doc("Timed optimizer steps of each recipe per repeat.", default=2)
+    repeats: int = _doc("Alternations of (a) and (b); the median and spread are over these.", default=3)
+    warmup: int = _doc("Untimed steps of each recipe first (allocator, kernels, compilation).", default=1)
+    seq: int = _doc("Tokens per block.", default=128)
+    batch: int = _doc("Blocks per optimizer step.", default=32)
+    precision: Literal["fp32", "bf16", "fp16"] = _doc("Precision of both recipes (autocast).", default="fp32")
+    learning_rate: float = _doc("Constant learning rate of both recipes.", default=1e-4)
+    eval_blocks: int = _doc("Held-out blocks for the perplexity comparison.", default=64)
+    seed: int = _doc("Seed of the head initialisation, data order and masks.", default=0)
+    torch_compile: bool = _doc("Run (b) with --torch_compile.", default=False)
+    mlm_head: Literal["masked", "all"] = _doc("(b)'s --mlm_head, to measure what the masked-only head buys.",
+                                              default="masked")
+    optimizer_impl: Literal["fused", "foreach", "for-loop"] = _doc("(b)'s --optimizer_impl.", default="fused")
+    profile: bool = _doc("Print a torch.profiler table of (b)'s top operations after the timing.", default=False)
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "repeats", "seq", "batch", "eval_blocks"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--{name} must be at least 1, got {getattr(self, name)}")
+        if self.warmup < 0:
+            raise ConfigError(f"--warmup must be >= 0, got {self.warmup}")
+
+
+# ---------------------------------------------------------------------------------------------
+# FLOPs and peak
+# ---------------------------------------------------------------------------------------------
+
+
+def training_flops_per_token(model_config: Any, seq: int, head_fraction: float) -> float:
+    """Matmul FLOPs of forward + backward (3x forward) per input token of a BERT-style encoder + MLM head.
+
+    Per layer: Q, K, V, output projections (4 H^2) and the MLP (2 H I), 2 FLOPs per multiply-add,
+    plus attention scores and the weighted sum (2 x 2 T H). The head (transform H^2 + decoder H V) runs
+    on `head_fraction` of the tokens: 1 for the full head, the masked share for the masked-only one.
+    Embedding lookups, norms and activations are not counted (they are not matmuls).
+    """
+    h, inner, layers = model_config.hidden_size, model_config.intermediate_size, model_config.num_hidden_layers
+    encoder = layers * (2 * (4 * h * h + 2 * h * inner) + 4 * seq * h)
+    head = 2 * (h * h + h * model_config.vocab_size) * head_fraction
+    return 3.0 * (encoder + head)
+
+
+def measure_peak(device: torch.device, dtype: torch.dtype, min_seconds: float = 1.0) -> float:
+    """FLOP/s of a square matmul in `dtype` on `device`: the peak that MFU is measured against."""
+    n = 8192 if device.type == "cuda" else 1024
+    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
+    best = math.inf
+    start = time.perf_counter()
+    while time.perf_counter() - start < min_seconds or best == math.inf:
+        t = time.perf_counter()
+        for _ in range(3):
+            a @ b
+        synchronize(device)
+        best = min(best, (time.perf_counter() - t) / 3)
+    return 2 * n**3 / best
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# ---------------------------------------------------------------------------------------------
+# the two recipes
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Recipe:
+    """One recipe's model (its transformers model inside), optimizer step and per-step times."""
+
+    name: str
+    model: torch.nn.Module
+    transformers_model: torch.nn.Module
+    step: Callable[[list[dict]], int]  # trains on one batch of blocks, returns the masked tokens
+    times: list[float]
+    masked: int = 0
+    tokens: int = 0
+
+
+def hf_recipe(model: torch.nn.Module, tokenizer: Any, cfg: BenchConfig, accelerator: Accelerator) -> Recipe:
+    """run_mlm_no_trainer.py's step: full-vocabulary head at every position, mean loss, default AdamW."""
+    no_decay = ("bias", "LayerNorm.weight")
+    weight_decay = 0.0  # run_mlm_no_trainer's default --weight_decay, also (b)'s in this bench
+    groups = [
+        {"params": [p for n, p in model.named_parameters() if not any(k in n for k in no_decay)],
+         "weight_decay": weight_decay},
+        {"params": [p for n, p in model.named_parameters() if any(k in n for k in no_decay)], "weight_decay": 0.0},
+    ]
+    optimizer = torch.optim.AdamW(groups, lr=cfg.learning_rate)  # torch's default implementation
+    prepared, optimizer = accelerator.prepare(model, optimizer)
+    collator = DataCollatorForLanguageModeling(tokenizer, mlm_probability=0.15, return_tensors="pt")
+
+    def step(blocks: list[dict]) -> int:
+        # run_mlm_no_trainer's group_texts keeps the tokenizer's attention_mask (all ones once packed)
+        batch = collator([{"input_ids": b["input_ids"], "attention_mask": [1] * len(b["input_ids"])}
+                          for b in blocks])
+        batch = mdata.to_device(batch, accelerator.device)
+        loss = prepared(**batch).loss
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        return int((batch["labels"] != IGNORE_INDEX).sum())
+
+    return Recipe("(a) transformers recipe", prepared, model, step, [])
+
+
+def mlm_ddp_recipe(model: torch.nn.Module, tokenizer: Any, cfg: BenchConfig, accelerator: Accelerator) -> Recipe:
+    """mlm_ddp.train's step, through the same functions and defaults."""
+    train_cfg = from_dict({
+        "mlm_head": cfg.mlm_head, "max_seq_length": cfg.seq, "per_device_train_batch_size": cfg.batch,
+        "learning_rate": cfg.learning_rate, "weight_decay": 0.0, "mixed_precision": PRECISIONS[cfg.precision],
+        "torch_compile": cfg.torch_compile, "optimizer_impl": cfg.optimizer_impl, "seed": cfg.seed,
+    })
+    wrapped = wrap_model(train_cfg, model)
+    optimizer = build_optimizer(wrapped, train_cfg)
+    prepared, optimizer = accelerator.prepare(wrapped, optimizer)
+    collator = MaskingCollator.for_tokenizer(tokenizer, split=TRAIN_SPLIT, seed=cfg.seed)
+    max_norm = train_cfg.training.max_grad_norm
+
+    def step(blocks: list[dict]) -> int:
+        batch = mdata.to_device(collator(blocks), accelerator.device)
+        masked = (batch["labels"] != IGNORE_INDEX).sum()
+        forward_backward(accelerator, prepared, [batch], 1.0 / masked.clamp(min=1))
+        norm = accelerator.clip_grad_norm_(prepared.parameters(), max_norm)
+        if torch.isfinite(norm):  # the check mlm_ddp.train makes every step, host sync included
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return int(masked)
+
+    return Recipe("(b) mlm_ddp", prepared, model, step, [])
+
+
+def load_base_model(model_cfg: ModelConfig, model_config: Any, random_init: bool, seed: int) -> torch.nn.Module:
+    """The model both recipes start from: the checkpoint, or a random init; a missing head is seeded."""
+    torch.manual_seed(seed)
+    if random_init:
+        return AutoModelForMaskedLM.from_config(model_config, attn_implementation=model_cfg.attn_implementation)
+    return load_model(model_cfg, model_config)
+
+
+@torch.no_grad()
+def perplexity(model: torch.nn.Module, blocks: list[dict], collator: MaskingCollator, batch: int,
+               accelerator: Accelerator) -> float:
+    """Held-out perplexity: exp(per-token loss over the masked tokens), the same masks for every model."""
+    net = MaskedLMLoss(model).eval()
+    loss_sum, masked = 0.0, 0
+    with accelerator.autocast():
+        for i in range(0, len(blocks), batch):
+            s, n, _ = net(**mdata.to_device(collator(blocks[i : i + batch]), accelerator.device))
+            loss_sum, masked = loss_sum + float(s), masked + int(n)
+    model.train()
+    return math.exp(loss_sum / max(masked, 1))
+
+
+# ---------------------------------------------------------------------------------------------
+# the run
+# ---------------------------------------------------------------------------------------------
+
+
+def bench(cfg: BenchConfig) -> dict[str, Any]:
+    """Run the benchmark; returns what the JSON line holds."""
+    model_cfg = ModelConfig(model_name_or_path=cfg.model, config_overrides=cfg.config_overrides)
+    tokenizer = load_tokenizer(model_cfg)
+    model_config = load_model_config(model_cfg)
+    cuda = torch.cuda.is_available()
+    accelerator = Accelerator(cpu=not cuda, mixed_precision=PRECISIONS[cfg.precision])
+    device = accelerator.device
+    if device.type == "cpu":
+        torch.set_num_threads(dist.usable_cores())
+        if cfg.precision == "bf16" and dist.resolve_precision("auto", cuda=False) != "bf16":
+            print("note: this CPU has no native bf16 (AVX512/AMX): bf16 matmuls are emulated, slower than fp32; "
+                  "mlm_ddp's --mixed_precision auto trains in fp32 here", file=sys.stderr)
+
+    packed = mdata.tokenize_and_pack(mdata.embedded_corpus(), tokenizer, cfg.seq)["input_ids"]
+    blocks = [{"input_ids": ids} for ids in packed if len(ids) == cfg.seq]  # equal shapes: no padding anywhere
+    if len(blocks) < cfg.eval_blocks + cfg.batch:
+        raise ConfigError(f"the embedded corpus makes {len(blocks)} blocks of {cfg.seq} tokens: too few for "
+                          f"--eval_blocks {cfg.eval_blocks} plus one --batch {cfg.batch}; lower them")
+    held_out, train_blocks = blocks[: cfg.eval_blocks], blocks[cfg.eval_blocks :]
+    order = torch.randperm(len(train_blocks), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
+
+    def batch_at(step: int) -> list[dict]:
+        start = step * cfg.batch
+        return [train_blocks[order[(start + i) % len(order)]] for i in range(cfg.batch)]
+
+    base = load_base_model(model_cfg, model_config, cfg.random_init, cfg.seed)
+    hf = hf_recipe(copy.deepcopy(base), tokenizer, cfg, accelerator)  # copies: the same start for both
+    ours = mlm_ddp_recipe(copy.deepcopy(base), tokenizer, cfg, accelerator)
+    eval_collator = MaskingCollator.for_tokenizer(tokenizer, split=EVAL_SPLIT, seed=cfg.seed)
+    ppl_start = perplexity(base.to(device), held_out, eval_collator, cfg.batch, accelerator)
+    del base
+
+    hf.model.train()
+    ours.model.train()
+    steps_done = 0
+    for recipe in (hf, ours):  # warm-up: the same first batches for both
+        for i in range(cfg.warmup):
+            recipe.step(batch_at(i))
+    steps_done += cfg.warmup
+    for _ in range(cfg.repeats):
+        for recipe in (hf, ours):
+            synchronize(device)
+            t = time.perf_counter()
+            for i in range(cfg.steps):
+                recipe.masked += recipe.step(batch_at(steps_done + i))
+            synchronize(device)
+            recipe.times.append(time.perf_counter() - t)
+            recipe.tokens += cfg.steps * cfg.batch * cfg.seq
+        steps_done += cfg.steps
+
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[cfg.precision]
+    peak = measure_peak(device, dtype)
+    result: dict[str, Any] = {
+        "device": torch.cuda.get_device_name(device) if cuda else f"cpu ({torch.get_num_threads()} threads, "
+                                                                   f"{torch.backends.cpu.get_cpu_capability()})",
+        "torch": torch.__version__, "config": asdict(cfg), "model": resolve_model_path(model_cfg),
+        "model_type": model_config.model_type, "trained_tokens": steps_done * cfg.batch * cfg.seq,
+        "peak_tflops": peak / 1e12, "perplexity_start": ppl_start,
+    }
+    for key, recipe in (("hf", hf), ("mlm_ddp", ours)):
+        rates = [cfg.steps * cfg.batch * cfg.seq / t for t in recipe.times]
+        head_fraction = 1.0 if key == "hf" or cfg.mlm_head == "all" else recipe.masked / recipe.tokens
+        flops = training_flops_per_token(model_config, cfg.seq, head_fraction)
+        median = statistics.median(rates)
+        result[key] = {
+            "tokens_per_s": median, "tokens_per_s_min": min(rates), "tokens_per_s_max": max(rates),
+            "flops_per_token": flops, "tflops": median * flops / 1e12, "mfu": median * flops / peak,
+            "perplexity": perplexity(recipe.transformers_model, held_out, eval_collator, cfg.batch, accelerator),
+        }
+    result["ratio"] = result["mlm_ddp"]["tokens_per_s"] / result["hf"]["tokens_per_s"]
+    result["perplexity_ratio"] = result["mlm_ddp"]["perplexity"] / result["hf"]["perplexity"]
+    if cfg.profile:
+        result["profile"] = profile_table(ours, batch_at(steps_done), device)
+    return result
+
+
+def profile_table(recipe: Recipe, blocks: list[dict], device: torch.device, steps: int = 2) -> str:
+    """torch.profiler's table of the operations (b) spends its time in, by self time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            recipe.step(blocks)
+        synchronize(device)
+    sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    return prof.key_averages().table(sort_by=sort, row_limit=15, max_name_column_width=60)
+
+
+def format_table(result: dict[str, Any]) -> str:
+    cfg = result["config"]
+    lines = [
+        f"mlm_ddp.bench: {result['model_type']} {result['model']}, {cfg['precision']}, seq {cfg['seq']}, "
+        f"batch {cfg['batch']}, {cfg['repeats']} x {cfg['steps']} timed steps per recipe after {cfg['warmup']} "
+        f"warm-up, on {result['device']}, torch {result['torch']}",
+        "",
+        f"| recipe | tokens/s (median) | spread (min-max) | training MFLOP/token | TFLOP/s | MFU | "
+        f"held-out perplexity after {result['trained_tokens']} tokens |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for key, name in (("hf", "(a) transformers recipe"), ("mlm_ddp", "(b) mlm_ddp")):
+        r = result[key]
+        lines.append(
+            f"| {name} | {r['tokens_per_s']:,.0f} | {r['tokens_per_s_min']:,.0f}-{r['tokens_per_s_max']:,.0f} | "
+            f"{r['flops_per_token'] / 1e6:.1f} | {r['tflops']:.3f} | {r['mfu']:.1%} | {r['perplexity']:.2f} |"
+        )
+    lines += [
+        "",
+        f"ratio (b)/(a): {result['ratio']:.2f}x tokens/s; perplexity (b)/(a): {result['perplexity_ratio']:.4f} "
+        f"(both started at {result['perplexity_start']:.1f})",
+        f"peak: {result['peak_tflops']:.3f} TFLOP/s ({cfg['precision']} matmul measured in this run); MFU counts "
+        "the matmul FLOPs each recipe computes, so (b) does fewer FLOPs per token for the same loss",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = HfArgumentParser(BenchConfig, prog="mlm_ddp.bench", description=__doc__.split("\n")[0])
+    (cfg,) = parser.parse_args_into_dataclasses(args=argv)
+    try:
+        result = bench(cfg)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    profile = result.pop("profile", None)
+    print(format_table(result))
+    if profile is not None:
+        print(f"\ntop operations of (b), {cfg.batch} x {cfg.seq} tokens per step, 2 steps:\n{profile}")
+    print(json.dumps({"bench": "mlm_ddp", **result}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

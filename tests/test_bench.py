@@ -1,0 +1,48 @@
+"""The benchmark runs end to end and its FLOP count matches the model's matmuls (no timing asserted)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoConfig, BertConfig, BertForMaskedLM
+
+from mlm_ddp.bench import main, training_flops_per_token
+
+
+def test_flops_per_token_counts_every_linear_layer_of_the_model() -> None:
+    config = BertConfig(vocab_size=700, hidden_size=48, num_hidden_layers=3, num_attention_heads=4,
+                        intermediate_size=96)
+    model = BertForMaskedLM(config)
+    # independently: multiply-adds of every nn.Linear, x2 FLOPs, x3 for forward + backward
+    encoder = sum(m.in_features * m.out_features for m in model.bert.modules() if isinstance(m, torch.nn.Linear))
+    head = sum(m.in_features * m.out_features for m in model.cls.modules() if isinstance(m, torch.nn.Linear))
+    seq = 40
+    attention = 3 * config.num_hidden_layers * 2 * 2 * seq * config.hidden_size  # scores and weighted sum
+    assert training_flops_per_token(config, seq, 1.0) == 6 * (encoder + head) + attention
+    assert training_flops_per_token(config, seq, 0.15) == pytest.approx(6 * (encoder + 0.15 * head) + attention)
+
+
+def test_bench_runs_both_recipes_and_prints_one_json_line(tiny_model: Path, capsys) -> None:
+    assert main(["--model", str(tiny_model), "--seq", "32", "--batch", "4", "--steps", "1", "--repeats", "2",
+                 "--warmup", "0", "--eval_blocks", "4", "--profile"]) == 0
+    out = capsys.readouterr().out
+    assert "| (a) transformers recipe |" in out and "| (b) mlm_ddp |" in out and "aten::" in out
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result["trained_tokens"] == 2 * 4 * 32
+    for key in ("hf", "mlm_ddp"):
+        r = result[key]
+        assert r["tokens_per_s"] > 0 and 0 < r["mfu"] and r["perplexity"] > 1
+    # the masked-only head computes a fraction of the head's FLOPs
+    config = AutoConfig.from_pretrained(tiny_model)
+    assert result["hf"]["flops_per_token"] == training_flops_per_token(config, 32, 1.0)
+    assert result["mlm_ddp"]["flops_per_token"] < result["hf"]["flops_per_token"]
+    # the same start, the same data: after two small steps the two models are still close
+    assert abs(result["perplexity_ratio"] - 1) < 0.05
+
+
+def test_bench_names_the_flag_to_lower_when_the_corpus_is_too_small(tiny_model: Path, capsys) -> None:
+    assert main(["--model", str(tiny_model), "--seq", "32", "--eval_blocks", "100000"]) == 2
+    assert "--eval_blocks 100000" in capsys.readouterr().err
