@@ -529,6 +529,11 @@ def _train(cfg: Config, stop: StopSignals) -> TrainResult:
                 precision + (" (auto)" if t.mixed_precision == "auto" else ""), accelerator.device,
                 torch.get_num_threads())
     logger.info("data: %s; %d optimizer steps", data_note, total_steps)
+    inner = accelerator.unwrap_model(model).model
+    logger.info("model: %s, %.1fM parameters; MLM head on %s positions; attention %s; AdamW %s; torch.compile %s",
+                type(inner).__name__, sum(p.numel() for p in inner.parameters()) / 1e6,
+                "masked" if accelerator.unwrap_model(model).masked_only else "all",
+                inner.config._attn_implementation, t.optimizer_impl, "on" if t.torch_compile else "off")
 
     # --- 3. the loop ------------------------------------------------------------------------
     eval_before = metrics.first_eval() if resume_from else None

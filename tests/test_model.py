@@ -99,3 +99,42 @@ def test_a_batch_without_masked_tokens_adds_zero_and_still_reaches_every_paramet
     assert float(loss_sum.detach()) == 0.0 and int(n) == 0 and int(correct) == 0
     loss_sum.backward()
     assert all(p.grad is not None for p in model.parameters())
+
+
+def optimizer_after_two_steps(impl: str) -> dict[str, torch.Tensor]:
+    from mlm_ddp.config import from_dict
+    from mlm_ddp.train import build_optimizer
+
+    model = MaskedLMLoss(tiny("bert").eval())
+    optimizer = build_optimizer(model, from_dict({"optimizer_impl": impl, "weight_decay": 0.01}))
+    for seed in (5, 6):
+        model(**batch(seed))[0].backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def test_every_adamw_implementation_makes_the_same_update() -> None:
+    reference = optimizer_after_two_steps("for-loop")
+    for impl in ("fused", "foreach"):
+        for name, value in optimizer_after_two_steps(impl).items():
+            torch.testing.assert_close(value, reference[name], rtol=1e-5, atol=1e-6, msg=f"{impl}: {name}")
+
+
+def test_torch_compile_keeps_the_loss_and_the_checkpoint_keys() -> None:
+    from mlm_ddp.config import from_dict
+    from mlm_ddp.train import wrap_model
+
+    eager = MaskedLMLoss(tiny("bert").eval())
+    compiled = wrap_model(from_dict({"torch_compile": True}), tiny("bert").eval())
+    b = batch(7)
+    torch.testing.assert_close(compiled(**b)[0], eager(**b)[0], rtol=1e-5, atol=1e-5)
+    assert compiled.state_dict().keys() == eager.state_dict().keys()  # checkpoints load either way
+
+
+def test_auto_precision_is_bf16_only_where_the_hardware_has_it() -> None:
+    from mlm_ddp.distributed import resolve_precision
+
+    assert [resolve_precision(p, cuda=False) for p in ("no", "fp16", "bf16")] == ["no", "fp16", "bf16"]
+    native = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    assert resolve_precision("auto", cuda=False) == ("bf16" if native else "no")
