@@ -1,0 +1,141 @@
+"""`python -m mlm_ddp.predict MODEL_DIR "The capital of France is [MASK]."`: top-k fill-mask predictions.
+
+MODEL_DIR is a run's `final/` folder, any transformers masked-LM folder, or a checkpoint folder
+`checkpoints/step-N/` (its `config.yaml` names the base model and tokenizer; its weights are the
+trained ones). Texts come from the command line or, without any, one per line from stdin.
+`--compare BASE_MODEL` prints the base model's predictions beside them: what fine-tuning changed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+from accelerate import PartialState
+
+from mlm_ddp import checkpoint as ckpt
+from mlm_ddp.config import ConfigError, ModelConfig, from_dict
+from mlm_ddp.model import load_model, load_model_config, load_tokenizer
+
+WEIGHTS_FILE = "model.safetensors"  # what accelerate's save_state writes for an unsharded model
+
+
+@dataclass(frozen=True)
+class Prediction:
+    token: str
+    score: float  # softmax probability over the vocabulary
+
+
+def load_checkpoint_model(path: Path) -> tuple[torch.nn.Module, Any]:
+    """The trained weights of a checkpoint folder on the model its config.yaml names."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForMaskedLM
+
+    cfg = from_dict(yaml.safe_load((path / "config.yaml").read_text()))
+    tokenizer, model_config = load_tokenizer(cfg.model), load_model_config(cfg.model)
+    if not (path / WEIGHTS_FILE).exists():
+        raise ConfigError(f"{path} has no {WEIGHTS_FILE} (an FSDP checkpoint keeps sharded weights): "
+                          "predict from the run's final/ folder instead")
+    model = AutoModelForMaskedLM.from_config(model_config)
+    # the checkpoint holds mlm_ddp's MaskedLMLoss, whose transformers model is its `.model`
+    weights = {k.removeprefix("model."): v for k, v in load_file(path / WEIGHTS_FILE).items()}
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    model.tie_weights()
+    state = model.state_dict()
+    loaded = {state[k].data_ptr() for k in weights if k in state}
+    untied = [k for k in missing if state[k].data_ptr() not in loaded]  # tied copies are not saved twice
+    if unexpected or untied:
+        raise ConfigError(f"{path / WEIGHTS_FILE} does not fit {type(model).__name__} of its config.yaml "
+                          f"(missing {untied[:3]}, unexpected {unexpected[:3]})")
+    return model, tokenizer
+
+
+def load_for_prediction(name: str) -> tuple[torch.nn.Module, Any]:
+    """(masked-LM model in eval mode, tokenizer) from a final/ folder, a model folder or a checkpoint."""
+    PartialState()  # accelerate's logger, which load_model warns through, needs one
+    path = Path(name)
+    if (path / ckpt.STATE_FILE).exists():
+        if not ckpt.is_complete(path):
+            raise ConfigError(f"{path} is an incomplete checkpoint (no {ckpt.MARKER} marker): a save was interrupted; "
+                              "use a complete checkpoint or final/")
+        model, tokenizer = load_checkpoint_model(path)
+    else:
+        if path.exists() and not (path / "config.json").exists():
+            raise ConfigError(f"{path} is neither a model folder (no config.json) nor a checkpoint folder "
+                              f"(no {ckpt.STATE_FILE}); pass a run's final/ or checkpoints/step-N folder")
+        model_cfg = ModelConfig(model_name_or_path=name)
+        tokenizer = load_tokenizer(model_cfg)
+        torch.manual_seed(0)  # a checkpoint without an MLM head gets the same fresh head every time
+        model = load_model(model_cfg, load_model_config(model_cfg))
+    return model.eval(), tokenizer
+
+
+@torch.no_grad()
+def fill_mask(model: torch.nn.Module, tokenizer: Any, text: str, top_k: int) -> list[list[Prediction]]:
+    """For each mask token of `text`, in order: the top_k tokens with their probabilities."""
+    encoded = tokenizer(text, return_tensors="pt", truncation=True)
+    positions = (encoded["input_ids"][0] == tokenizer.mask_token_id).nonzero().flatten()  # (M,)
+    if positions.numel() == 0:
+        raise ConfigError(f"no {tokenizer.mask_token} in {text!r}: write {tokenizer.mask_token} where a word "
+                          "should be predicted")
+    logits = model(**encoded).logits[0, positions]  # (M, V)
+    top = logits.float().softmax(dim=-1).topk(top_k, dim=-1)
+    return [
+        [Prediction(tokenizer.decode([i]).strip(), p) for p, i in zip(probs, ids, strict=True)]
+        for probs, ids in zip(top.values.tolist(), top.indices.tolist(), strict=True)
+    ]
+
+
+def format_predictions(text: str, tuned: list[list[Prediction]], base: list[list[Prediction]] | None,
+                       labels: tuple[str, str]) -> str:
+    lines = [text]
+    for m, predictions in enumerate(tuned):
+        header = f"  mask {m + 1}: {labels[0]:<28}" + (f"  {labels[1]}" if base else "")
+        lines.append(header.rstrip())
+        for rank, pred in enumerate(predictions):
+            row = f"    {rank + 1:>2}. {pred.token:<18} {pred.score:7.4f}"
+            if base:
+                other = base[m][rank]
+                row += f"     {other.token:<18} {other.score:7.4f}"
+            lines.append(row)
+    return "\n".join(lines)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="mlm_ddp.predict", description=__doc__.split("\n")[0], allow_abbrev=False)
+    p.add_argument("model", help="final/ folder, model folder or checkpoints/step-N folder")
+    p.add_argument("texts", nargs="*", help="texts with the mask token; none: one per line from stdin")
+    p.add_argument("--top_k", type=int, default=5, help="predictions per mask token")
+    p.add_argument("--compare", metavar="BASE_MODEL", default=None,
+                   help="also show this model's predictions (e.g. the model the run started from)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    texts = args.texts or [line.strip() for line in sys.stdin if line.strip()]
+    try:
+        if args.top_k < 1:
+            raise ConfigError(f"--top_k must be at least 1, got {args.top_k}")
+        if not texts:
+            raise ConfigError("no text given: pass texts as arguments or one per line on stdin")
+        model, tokenizer = load_for_prediction(args.model)
+        base = load_for_prediction(args.compare) if args.compare else None
+        for i, text in enumerate(texts):
+            tuned = fill_mask(model, tokenizer, text, args.top_k)
+            compared = fill_mask(*base, text.replace(tokenizer.mask_token, base[1].mask_token),
+                                 args.top_k) if base else None
+            print(("\n" if i else "") + format_predictions(text, tuned, compared, (args.model, args.compare or "")))
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
