@@ -126,7 +126,6 @@ def synchronize(device: torch.device) -> None:
 class Recipe:
     """One recipe's model (its transformers model inside), optimizer step and per-step times."""
 
-    name: str
     model: torch.nn.Module
     transformers_model: torch.nn.Module
     step: Callable[[list[dict]], int]  # trains on one batch of blocks, returns the masked tokens
@@ -159,7 +158,7 @@ def hf_recipe(model: torch.nn.Module, tokenizer: Any, cfg: BenchConfig, accelera
         optimizer.zero_grad()
         return int((batch["labels"] != IGNORE_INDEX).sum())
 
-    return Recipe("(a) transformers recipe", prepared, model, step, [])
+    return Recipe(prepared, model, step, [])
 
 
 def mlm_ddp_recipe(model: torch.nn.Module, tokenizer: Any, cfg: BenchConfig, accelerator: Accelerator) -> Recipe:
@@ -185,7 +184,7 @@ def mlm_ddp_recipe(model: torch.nn.Module, tokenizer: Any, cfg: BenchConfig, acc
         optimizer.zero_grad(set_to_none=True)
         return int(masked)
 
-    return Recipe("(b) mlm_ddp", prepared, model, step, [])
+    return Recipe(prepared, model, step, [])
 
 
 def load_base_model(model_cfg: ModelConfig, model_config: Any, random_init: bool, seed: int) -> torch.nn.Module:

@@ -120,6 +120,12 @@ def loss_sums(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor
     return loss_sum, torch.tensor(targets.numel(), device=targets.device), correct
 
 
+def inner_state_dict(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The transformers model's state dict from MaskedLMLoss's (whose keys start with `model.`);
+    keys without the prefix (checkpoints written before the wrapper) pass through."""
+    return {k.removeprefix("model."): v for k, v in weights.items()}
+
+
 class MaskedLMLoss(torch.nn.Module):
     """A transformers masked-LM model whose forward returns the loss as sums (`loss_sums`).
 

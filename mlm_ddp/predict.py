@@ -20,7 +20,7 @@ from accelerate import PartialState
 
 from mlm_ddp import checkpoint as ckpt
 from mlm_ddp.config import ConfigError, ModelConfig, from_dict
-from mlm_ddp.model import load_model, load_model_config, load_tokenizer
+from mlm_ddp.model import inner_state_dict, load_model, load_model_config, load_tokenizer
 
 WEIGHTS_FILE = "model.safetensors"  # what accelerate's save_state writes for an unsharded model
 
@@ -43,7 +43,7 @@ def load_checkpoint_model(path: Path) -> tuple[torch.nn.Module, Any]:
                           "predict from the run's final/ folder instead")
     model = AutoModelForMaskedLM.from_config(model_config)
     # the checkpoint holds mlm_ddp's MaskedLMLoss, whose transformers model is its `.model`
-    weights = {k.removeprefix("model."): v for k, v in load_file(path / WEIGHTS_FILE).items()}
+    weights = inner_state_dict(load_file(path / WEIGHTS_FILE))
     missing, unexpected = model.load_state_dict(weights, strict=False)
     model.tie_weights()
     state = model.state_dict()

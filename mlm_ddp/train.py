@@ -39,6 +39,7 @@ from mlm_ddp.masking import EVAL_SPLIT, IGNORE_INDEX, TRAIN_SPLIT, MaskingCollat
 from mlm_ddp.model import (
     MLM_HEAD_ATTRIBUTES,
     MaskedLMLoss,
+    inner_state_dict,
     load_model,
     load_model_config,
     load_tokenizer,
@@ -308,9 +309,7 @@ def save_final(accelerator: Accelerator, model: torch.nn.Module, tokenizer: Any,
         if tmp.exists():
             shutil.rmtree(tmp)
         inner = accelerator.unwrap_model(model).model  # the transformers model inside MaskedLMLoss
-        prefix = "model."
-        weights = {k.removeprefix(prefix): v for k, v in weights.items()}
-        inner.save_pretrained(tmp, state_dict=weights, safe_serialization=True)
+        inner.save_pretrained(tmp, state_dict=inner_state_dict(weights), safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         if final.exists():
             shutil.rmtree(final)
