@@ -33,7 +33,7 @@ SLOW_SAVE_ENV = "MLM_DDP_TEST_SLOW_SAVE_S"
 RESUMABLE_CHANGES = {
     "run.output_dir", "run.overwrite_output_dir", "run.logging_steps", "run.eval_steps",
     "run.checkpointing_steps", "run.save_total_limit", "run.resume_from_checkpoint", "run.with_tracking",
-    "run.report_to", "run.stop_signals", "run.ddp_timeout", "run.preprocessing_timeout",
+    "run.report_to", "run.report", "run.stop_signals", "run.ddp_timeout", "run.preprocessing_timeout",
     "run.on_nonfinite_loss", "training.max_train_steps", "training.num_train_epochs", "training.cpu_threads",
     "data.preprocessing_num_workers", "model.mlm_head", "training.optimizer_impl", "training.torch_compile",
 }

@@ -235,6 +235,11 @@ class RunConfig:
         "Trackers for --with_tracking: 'tensorboard', 'wandb', 'mlflow', a comma list, or 'all'.",
         default="tensorboard",
     )
+    report: bool = _doc(
+        "At the end of training, write report.html and its plots (report_plots/) into --output_dir, "
+        "as `python -m mlm_ddp.report OUTPUT_DIR` does ('--report false' to skip).",
+        default=True,
+    )
     stop_signals: str = _doc(
         "Signals (comma list) on which every process saves one checkpoint at the next optimizer step "
         "and exits with code 75, to be requeued and resumed; '' to keep the default actions.",

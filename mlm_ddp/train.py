@@ -11,6 +11,7 @@ import importlib.util
 import json
 import logging
 import math
+import os
 import shutil
 import signal
 import sys
@@ -45,12 +46,15 @@ from mlm_ddp.model import (
     load_tokenizer,
     max_positions,
 )
+from mlm_ddp.report import write_report
 
 logger = get_logger(__name__)
 METRIC_MODULE = str(Path(__file__).parent / "metrics" / "masked_lm")
 STOPPED_FILE = "stopped.json"  # why a run stopped early; torchrun turns every worker exit code into 1
-RUN_OUTPUTS = ("config.yaml", "metrics.jsonl", "summary.json", "final", "checkpoints", "logs", STOPPED_FILE)
-KNOWN_TRACKERS = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
+RUN_OUTPUTS = ("config.yaml", "metrics.jsonl", "summary.json", "final", "checkpoints", "logs", STOPPED_FILE,
+               "report.html", "report_plots")
+KNOWN_TRACKERS = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}  # name -> module
+TRACKING_PROJECT = "mlm_ddp"  # the wandb project, the MLflow experiment
 # Exit codes of `main`, for launchers and schedulers. 75 is sysexits' EX_TEMPFAIL: "try again later".
 EXIT_BAD_INPUT, EXIT_NONFINITE, EXIT_REQUEUE, EXIT_FAILED = 2, 3, 75, 1
 
@@ -92,6 +96,30 @@ class StopSignals:
         for name, handler in self._previous.items():
             signal.signal(getattr(signal, name), handler)
 
+
+
+class TrainingClock:
+    """Seconds spent training, without evaluation and checkpoint saves, so that tokens/s measures
+    the training step alone."""
+
+    def __init__(self) -> None:
+        self.training_s, self._lap_start, self._paused_s = 0.0, time.perf_counter(), 0.0
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._paused_s += time.perf_counter() - start
+
+    def lap(self) -> float:
+        """Training seconds since the previous lap."""
+        now = time.perf_counter()
+        elapsed = max(now - self._lap_start - self._paused_s, 1e-9)
+        self.training_s += elapsed
+        self._lap_start, self._paused_s = now, 0.0
+        return elapsed
 
 
 @dataclass
@@ -162,9 +190,29 @@ def check_trackers(cfg: Config) -> list[str]:
         if importlib.util.find_spec(KNOWN_TRACKERS[name]) is None:
             if cfg.run.report_to == "all":
                 continue
-            raise ConfigError(f"--report_to {name}: the package {name!r} is not installed (pip install {name})")
+            raise ConfigError(f"--report_to {name}: the package {name!r} is not installed (pip install {name}, "
+                              "or pip install 'mlm_ddp[tracking]' for wandb and MLflow)")
         chosen.append(name)
     return chosen
+
+
+def tracker_kwargs(out: Path, trackers: list[str]) -> dict[str, dict[str, Any]]:
+    """Each tracker names the run after --output_dir and keeps its files in output_dir/logs, unless
+    the user's environment (WANDB_DIR, MLFLOW_TRACKING_URI) says where they go."""
+    logs, name = out / "logs", out.resolve().name
+    kwargs: dict[str, dict[str, Any]] = {}
+    if "wandb" in trackers:
+        logs.mkdir(parents=True, exist_ok=True)
+        kwargs["wandb"] = {"name": name, **({} if os.environ.get("WANDB_DIR") else {"dir": str(logs)})}
+    if "mlflow" in trackers:
+        import mlflow
+
+        if not os.environ.get("MLFLOW_TRACKING_URI"):
+            # mlflow's own default is a database in the current folder, shared by unrelated runs
+            logs.mkdir(parents=True, exist_ok=True)
+            mlflow.set_tracking_uri(f"sqlite:///{(logs / 'mlflow.db').resolve()}")
+        kwargs["mlflow"] = {"run_name": name}
+    return kwargs
 
 
 # ---------------------------------------------------------------------------------------------
@@ -448,7 +496,7 @@ def _train(cfg: Config, stop: StopSignals) -> TrainResult:
         # fail fast: when a process dies, the others stop within this time instead of hanging
         kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=cfg.run.ddp_timeout))],
         log_with=trackers or None,
-        project_dir=str(out),
+        project_dir=str(out / "logs"),  # TensorBoard writes into logs/<TRACKING_PROJECT>/
     )
     dist.check_accelerator(topo, accelerator.num_processes, str(accelerator.distributed_type))
     rank, world = accelerator.process_index, accelerator.num_processes
@@ -517,8 +565,12 @@ def _train(cfg: Config, stop: StopSignals) -> TrainResult:
     metrics = MetricsFile(out / "metrics.jsonl", accelerator.is_main_process,
                           state.step if resume_from else None)
     if trackers:
-        accelerator.init_trackers("logs", config={k: v for s in cfg.to_dict().values() for k, v in s.items()
-                                                  if isinstance(v, (int, float, str, bool))})
+        skipped = sorted(set(KNOWN_TRACKERS) - set(trackers)) if cfg.run.report_to == "all" else []
+        logger.info("tracking with %s: project %s, run %s%s", ", ".join(trackers), TRACKING_PROJECT,
+                    out.resolve().name, f"; not installed, so not used: {', '.join(skipped)}" if skipped else "")
+        accelerator.init_trackers(TRACKING_PROJECT, init_kwargs=tracker_kwargs(out, trackers),
+                                  config={k: v for s in cfg.to_dict().values() for k, v in s.items()
+                                          if isinstance(v, (int, float, str, bool))})
 
     logger.info("topology: %d process(es) on %d node(s), %s, started by %s (master %s:%s); global batch "
                 "%d = %d per device x %d processes x %d accumulation; precision %s; device %s (%d threads)",
@@ -534,13 +586,18 @@ def _train(cfg: Config, stop: StopSignals) -> TrainResult:
                 "masked" if accelerator.unwrap_model(model).masked_only else "all",
                 inner.config._attn_implementation, t.optimizer_impl, "on" if t.torch_compile else "off")
 
+    def log_record(record: dict[str, Any]) -> None:
+        metrics.write(record)
+        if trackers:
+            accelerator.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
+
     # --- 3. the loop ------------------------------------------------------------------------
     eval_before = metrics.first_eval() if resume_from else None
     if resume_from is None:
         eval_before = evaluate_mlm(model, eval_dl, accelerator, metric)
         if eval_before:
-            metrics.write({"step": 0, "epoch": 0.0, "eval_loss": eval_before["loss"],
-                           "perplexity": eval_before["perplexity"], "eval_accuracy": eval_before["accuracy"]})
+            log_record({"step": 0, "epoch": 0.0, "eval_loss": eval_before["loss"],
+                        "perplexity": eval_before["perplexity"], "eval_accuracy": eval_before["accuracy"]})
             logger.info("eval before training: loss %.4f, perplexity %.2f, accuracy %.3f",
                         eval_before["loss"], eval_before["perplexity"], eval_before["accuracy"])
 
@@ -560,7 +617,7 @@ def _train(cfg: Config, stop: StopSignals) -> TrainResult:
 
     progress = tqdm(total=total_steps, initial=state.step, desc="training", unit="step",
                     disable=not accelerator.is_main_process)
-    step, last_log, train_start = state.step, time.perf_counter(), time.perf_counter()
+    step, clock = state.step, TrainingClock()
     eval_after: dict[str, float] | None = None
     saved_step = state.step if resume_from else None  # newest complete checkpoint of this run
     skipped_steps = 0
@@ -614,14 +671,13 @@ def _train(cfg: Config, stop: StopSignals) -> TrainResult:
         record: dict[str, Any] = {}
         if step % cfg.run.logging_steps == 0 or step == total_steps:
             loss_sum_all, masked_all, tokens_all = accelerator.reduce(sums, reduction="sum").tolist()
-            now = time.perf_counter()
             record = {"step": step, "epoch": round(epoch_float, 4), "loss": loss_sum_all / max(masked_all, 1),
-                      "lr": scheduler.get_last_lr()[0], "tokens_per_s": tokens_all / (now - last_log)}
+                      "lr": scheduler.get_last_lr()[0], "tokens_per_s": tokens_all / clock.lap()}
             sums.zero_()
-            last_log = now
             progress.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
         if step == total_steps or (cfg.run.eval_steps and step % cfg.run.eval_steps == 0):
-            result = evaluate_mlm(model, eval_dl, accelerator, metric)
+            with clock.paused():
+                result = evaluate_mlm(model, eval_dl, accelerator, metric)
             if result:
                 record.update({"step": step, "epoch": round(epoch_float, 4), "eval_loss": result["loss"],
                                "perplexity": result["perplexity"], "eval_accuracy": result["accuracy"]})
@@ -629,14 +685,13 @@ def _train(cfg: Config, stop: StopSignals) -> TrainResult:
             eval_after = result
         if record:
             record["tokens_seen"] = tokens_total()
-            metrics.write(record)
-            if trackers:
-                accelerator.log({k: v for k, v in record.items() if k != "step"}, step=step)
+            log_record(record)
         every = cfg.run.checkpointing_steps
         if (every == "epoch" and epoch_ended) or (every not in (None, "epoch") and step % int(every) == 0):
-            save_checkpoint(accelerator, cfg,
-                            ckpt.TrainerState(step, feed.epoch, feed.index, tokens_total(), world), scheduler,
-                            feed.stream_state())
+            with clock.paused():
+                save_checkpoint(accelerator, cfg,
+                                ckpt.TrainerState(step, feed.epoch, feed.index, tokens_total(), world), scheduler,
+                                feed.stream_state())
             saved_step = step
     progress.close()
     if skipped_steps:
@@ -645,18 +700,30 @@ def _train(cfg: Config, stop: StopSignals) -> TrainResult:
     # --- 4. outputs --------------------------------------------------------------------------
     tokens_seen = tokens_total()
     final = save_final(accelerator, model, tokenizer, out)
-    train_time = time.perf_counter() - train_start
     result = TrainResult(
         steps=step, tokens_seen=tokens_seen, wall_time_s=time.perf_counter() - t0,
-        tokens_per_s=(tokens_seen - tokens_base) / max(train_time, 1e-9),
+        tokens_per_s=(tokens_seen - tokens_base) / max(clock.training_s, 1e-9),
         eval_before=eval_before, eval_after=eval_after, output_dir=str(out), final_dir=str(final),
     )
     if accelerator.is_main_process:
         (out / "summary.json").write_text(json.dumps(asdict(result), indent=1))
     logger.info("%s", summary_line(result))
+    if cfg.run.report and accelerator.is_main_process:
+        write_run_report(out)
     if trackers:
         accelerator.end_training()
     return result
+
+
+def write_run_report(out: Path) -> None:
+    """report.html and its plots in the output folder (main process only)."""
+    try:
+        page, summary = write_report([out])
+    except Exception as err:  # noqa: BLE001 - the model and metrics are saved: a plot must not fail the run
+        logger.warning("the run report was not written (%s: %s); run python -m mlm_ddp.report %s to retry",
+                       type(err).__name__, err, out)
+        return
+    logger.info("report: %s\n%s", page, summary)
 
 
 def summary_line(result: TrainResult) -> str:
