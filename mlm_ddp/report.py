@@ -180,6 +180,10 @@ def plot(runs: Sequence[Run], labels: Sequence[str], folder: Path) -> list[Path]
     from matplotlib.ticker import FuncFormatter, NullFormatter
 
     plain = FuncFormatter(lambda value, _: f"{value:,.0f}" if value >= 100 else f"{value:.3g}")
+    # 120k, not 120000: token counts are long and the panels narrow
+    short = FuncFormatter(lambda value, _: next((f"{value / size:g}{unit}" for size, unit in
+                                                 ((1e9, "G"), (1e6, "M"), (1e3, "k")) if abs(value) >= size),
+                                                f"{value:g}"))
 
     folder.mkdir(parents=True, exist_ok=True)
     colors = [f"C{i % 10}" for i in range(len(runs))]
@@ -193,6 +197,8 @@ def plot(runs: Sequence[Run], labels: Sequence[str], folder: Path) -> list[Path]
                     style = {k: v for k, v in STYLES[key].items() if k != "label"}
                     ax.plot(xs, ys, color=color, markersize=4, linewidth=1.4, **style)
             ax.set(title=panel.title, xlabel=X_LABELS[panel.x], ylabel=panel.ylabel)
+            if panel.x == "tokens_seen":
+                ax.xaxis.set_major_formatter(short)
             if panel.log_y:
                 ax.set_yscale("log")
                 # plain numbers (724, not 7.24 x 10^2); minor ticks labelled when under a decade is shown
