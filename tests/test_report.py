@@ -107,3 +107,20 @@ def test_never_overwrites_a_page_it_did_not_write(runs: tuple[Path, Path], tmp_p
     # its own page is rewritten, as the end of every training run does
     page, summary = write_report([runs[0]], tmp_path / "again.html")
     assert write_report([runs[0]], page)[0] == page and "finished" in summary
+
+
+def test_tokens_per_s_counts_training_time_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Evaluation and checkpoint saves pause the clock, so the throughput curve has no dips at them."""
+    from mlm_ddp import train as train_module
+
+    now = [100.0]
+    monkeypatch.setattr(train_module.time, "perf_counter", lambda: now[0])
+    clock = train_module.TrainingClock()
+    now[0] += 2.0  # a training step
+    assert clock.lap() == 2.0
+    with clock.paused():
+        now[0] += 30.0  # evaluation
+    now[0] += 3.0
+    with clock.paused():
+        now[0] += 5.0  # checkpoint save
+    assert clock.lap() == 3.0 and clock.training_s == 5.0
