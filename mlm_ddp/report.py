@@ -279,9 +279,9 @@ def page(runs: Sequence[Run], labels: Sequence[str], flags: Sequence[str], image
              "<h1>mlm_ddp run report</h1>",
              f"<p>{len(runs)} run(s), written {datetime.now():%Y-%m-%d %H:%M} by <code>python -m "
              "mlm_ddp.report</code>. Losses are per masked token; tokens are input tokens of all "
-             "processes; first -&gt; last logged value.</p>",
+             "processes; first → last logged value.</p>",
              "<h2>Runs</h2>",
-             table(["run", *columns], [[text, *(facts(run)[c] for c in columns)]
+             table(["run", *columns], [[text, *(facts(run)[c].replace(" -> ", " → ") for c in columns)]
                                        for run, text in zip(runs, labels, strict=True)])]
     if flags:
         parts += ["<h2>What differs between the configs</h2>",
