@@ -49,7 +49,7 @@ class Run:
         for record in self.records:
             value = record.get(key)
             where = record.get(x, 0 if x == "tokens_seen" and record["step"] == 0 else None)
-            if isinstance(value, (int, float)) and isinstance(where, (int, float)) and math.isfinite(value):
+            if isinstance(value, (int, float)) and isinstance(where, (int, float)):  # NaN kept: a run diverged
                 xs.append(where)
                 ys.append(value)
         return xs, ys
@@ -233,7 +233,8 @@ def facts(run: Run) -> dict[str, str]:
     _, tokens = run.points("tokens_seen")
     _, speeds = run.points("tokens_per_s")
     speed = run.summary["tokens_per_s"] if run.summary else (statistics.median(speeds) if speeds else None)
-    best = min(range(len(perplexities)), key=perplexities.__getitem__, default=None)
+    best = min((i for i, p in enumerate(perplexities) if math.isfinite(p)), key=perplexities.__getitem__,
+               default=None)
     return {
         "status": run.status(),
         "steps": str(max(r["step"] for r in run.records)),

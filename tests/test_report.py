@@ -124,3 +124,13 @@ def test_tokens_per_s_counts_training_time_only(monkeypatch: pytest.MonkeyPatch)
     with clock.paused():
         now[0] += 5.0  # checkpoint save
     assert clock.lap() == 3.0 and clock.training_s == 5.0
+
+
+def test_a_diverged_run_shows_its_nan(runs: tuple[Path, Path], tmp_path: Path) -> None:
+    run = tmp_path / "diverged"
+    run.mkdir()
+    lines = (runs[0] / "metrics.jsonl").read_text()
+    (run / "metrics.jsonl").write_text(lines + '{"step": 7, "loss": NaN, "tokens_seen": 1800}\n')
+    page, summary = write_report([run])
+    assert "unfinished" in summary and "train loss 6." in summary and "-> nan;" in summary
+    assert all(png.stat().st_size > 10_000 for png in referenced_images(page))
