@@ -228,8 +228,7 @@ def facts(run: Run) -> dict[str, str]:
         _, values = run.points(key)
         return f"{fmt(values[0])} -> {fmt(values[-1])}" if values else "-"
 
-    _, perplexities = run.points("perplexity")
-    steps, _ = run.points("perplexity")
+    steps, perplexities = run.points("perplexity")
     _, tokens = run.points("tokens_seen")
     _, speeds = run.points("tokens_per_s")
     speed = run.summary["tokens_per_s"] if run.summary else (statistics.median(speeds) if speeds else None)

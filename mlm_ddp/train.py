@@ -200,16 +200,15 @@ def tracker_kwargs(out: Path, trackers: list[str]) -> dict[str, dict[str, Any]]:
     """Each tracker names the run after --output_dir and keeps its files in output_dir/logs, unless
     the user's environment (WANDB_DIR, MLFLOW_TRACKING_URI) says where they go."""
     logs, name = out / "logs", out.resolve().name
+    logs.mkdir(parents=True, exist_ok=True)
     kwargs: dict[str, dict[str, Any]] = {}
     if "wandb" in trackers:
-        logs.mkdir(parents=True, exist_ok=True)
         kwargs["wandb"] = {"name": name, **({} if os.environ.get("WANDB_DIR") else {"dir": str(logs)})}
     if "mlflow" in trackers:
         import mlflow
 
         if not os.environ.get("MLFLOW_TRACKING_URI"):
             # mlflow's own default is a database in the current folder, shared by unrelated runs
-            logs.mkdir(parents=True, exist_ok=True)
             mlflow.set_tracking_uri(f"sqlite:///{(logs / 'mlflow.db').resolve()}")
         kwargs["mlflow"] = {"run_name": name}
     return kwargs
