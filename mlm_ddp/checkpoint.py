@@ -34,9 +34,11 @@ RESUMABLE_CHANGES = {
     "run.output_dir", "run.overwrite_output_dir", "run.logging_steps", "run.eval_steps",
     "run.checkpointing_steps", "run.save_total_limit", "run.resume_from_checkpoint", "run.with_tracking",
     "run.report_to", "run.report", "run.stop_signals", "run.ddp_timeout", "run.preprocessing_timeout",
-    "run.on_nonfinite_loss", "training.max_train_steps", "training.num_train_epochs", "training.cpu_threads",
+    "run.save_timeout", "run.on_nonfinite_loss", "training.max_train_steps", "training.num_train_epochs",
+    "training.cpu_threads",
     "data.preprocessing_num_workers", "model.mlm_head", "training.optimizer_impl", "training.torch_compile",
 }
+SAFE_LOADING_TORCH = (2, 4)  # pyproject's torch floor; tests/test_reliability.py checks they agree
 _STEP_DIR = re.compile(r"^step-(\d{7,})$")
 
 
@@ -73,10 +75,32 @@ def complete_checkpoints(output_dir: str | Path) -> list[Path]:
 
 
 def partial_checkpoints(output_dir: str | Path) -> list[Path]:
+    """Checkpoint folders without their marker: saves that were interrupted."""
     root = checkpoints_dir(output_dir)
     if not root.is_dir():
         return []
-    return sorted(p for p in root.iterdir() if p.is_dir() and not is_complete(p))
+    return sorted(p for p in root.iterdir()
+                  if p.is_dir() and _STEP_DIR.match(p.name.removeprefix(".tmp-")) and not is_complete(p))
+
+
+def set_aside_later(output_dir: str | Path, step: int) -> Path | None:
+    """Move the complete checkpoints saved after `step` into `checkpoints/abandoned-after-step-N/`.
+
+    A run resumed from an older checkpoint of its own folder starts a new future from `step`; the
+    checkpoints of the abandoned one must neither be taken for `latest` nor make `--save_total_limit`
+    delete the new saves. They are kept (nothing is deleted unasked), where neither looks.
+    """
+    later = [p for p in complete_checkpoints(output_dir) if int(p.name.split("-")[1]) > step]
+    if not later:
+        return None
+    aside = checkpoints_dir(output_dir) / f"abandoned-after-{step_dir_name(step)}"
+    if aside.exists():  # a second resume from the same step: keep both abandoned futures apart
+        aside = aside.with_name(f"{aside.name}-{time.strftime('%Y%m%d-%H%M%S')}")
+    aside.mkdir()
+    for path in later:
+        os.replace(path, aside / path.name)
+    _fsync_dir(checkpoints_dir(output_dir))
+    return aside
 
 
 def resolve_resume(spec: str, output_dir: str | Path) -> Path:
@@ -117,9 +141,24 @@ def config_changes(saved: dict, current: dict) -> dict[str, tuple[object, object
     return changes
 
 
+def check_safe_loading(torch_version: str) -> None:
+    """Refuse to resume where a checkpoint's pickles would be fully unpickled: accelerate loads
+    `optimizer.bin` and `random_states_*.pkl` with `weights_only=True` only from torch 2.4 on."""
+    release = tuple(int(part) for part in re.findall(r"\d+", torch_version.split("+")[0])[:2])
+    if release < SAFE_LOADING_TORCH:
+        raise ConfigError(
+            f"resuming needs torch >= {'.'.join(map(str, SAFE_LOADING_TORCH))} (installed: {torch_version}): "
+            "older versions unpickle checkpoint files without restriction, so a damaged or foreign "
+            "checkpoint could run code; upgrade torch"
+        )
+
+
 def check_resume(path: Path, current: dict, world_size: int) -> tuple[TrainerState, dict]:
     """The state to continue from, after checking that this run may continue it; also returns the
     accepted config changes (to be logged). Refusals name what differs."""
+    import torch
+
+    check_safe_loading(torch.__version__)
     state = read_state(path)
     if state.world_size != world_size:
         raise ConfigError(
@@ -168,16 +207,33 @@ def temp_dir(output_dir: str | Path, step: int) -> Path:
     return checkpoints_dir(output_dir) / f".tmp-{step_dir_name(step)}"
 
 
+def _fsync_dir(folder: Path) -> None:
+    """Make a folder's entries (a rename, a new file) durable, not only the files' bytes."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def _fsync_tree(root: Path) -> None:
     for path in sorted(root.rglob("*")):
         if path.is_file():
             with open(path, "rb") as handle:
                 os.fsync(handle.fileno())
-    fd = os.open(root, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    _fsync_dir(root)
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write `text` to `path` through a temporary file and a rename: a crash leaves the old file or
+    the new one, never a torn one (a torn summary.json would make `auto` think a run finished)."""
+    tmp = path.with_name(f".tmp-{path.name}")
+    with open(tmp, "w") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
 
 
 def finalize(tmp: Path, state: TrainerState, config_yaml: str) -> Path:
@@ -193,6 +249,7 @@ def finalize(tmp: Path, state: TrainerState, config_yaml: str) -> Path:
     if final.exists():  # a save of the same step from an earlier, superseded attempt
         shutil.rmtree(final)
     os.replace(tmp, final)
+    _fsync_dir(final.parent)  # the rename itself is durable before rotation deletes an older save
     return final
 
 

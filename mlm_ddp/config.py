@@ -255,6 +255,12 @@ class RunConfig:
         "into the datasets cache (a large corpus takes longer than --ddp_timeout).",
         default=10800,
     )
+    save_timeout: int = _doc(
+        "Seconds the other processes wait while the main process alone writes a checkpoint or the "
+        "final model, or removes an earlier run (--overwrite_output_dir): a large model on a network "
+        "filesystem takes longer than --ddp_timeout, which stays short for the training collectives.",
+        default=1800,
+    )
     on_nonfinite_loss: Literal["stop", "skip"] = _doc(
         "A step whose gradients are NaN or inf: 'stop' the run (exit 3, naming the last good "
         "checkpoint) or 'skip' that optimizer step (counted). fp16 overflow steps are the grad "
@@ -282,7 +288,8 @@ class RunConfig:
             if not hasattr(signal, name) or name in ("SIGKILL", "SIGSTOP"):
                 raise ConfigError(f"--stop_signals: {name!r} is not a signal that can be caught; "
                                   "use names like SIGTERM,SIGUSR1")
-        timeouts = {"--ddp_timeout": self.ddp_timeout, "--preprocessing_timeout": self.preprocessing_timeout}
+        timeouts = {"--ddp_timeout": self.ddp_timeout, "--preprocessing_timeout": self.preprocessing_timeout,
+                    "--save_timeout": self.save_timeout}
         for flag, value in timeouts.items():
             if value < 1:
                 raise ConfigError(f"{flag} must be at least 1 second, got {value}")

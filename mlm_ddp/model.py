@@ -80,14 +80,43 @@ def max_positions(model_config: Any, tokenizer: Any) -> int:
     return min(int(x) for x in limits if x is not None and x < 10**8)
 
 
+def masked_lm_class(model_config: Any, path: str) -> type[PreTrainedModel]:
+    """The transformers class AutoModelForMaskedLM builds for `model_config`, or a clear refusal."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING
+
+    try:
+        return MODEL_FOR_MASKED_LM_MAPPING[type(model_config)]
+    except KeyError:
+        raise ConfigError(
+            f"--model_name_or_path {path!r} is a {model_config.model_type!r} model, which has no masked-LM "
+            "head in transformers; mlm_ddp trains BERT-family encoders (bert, roberta, distilbert, electra, "
+            "deberta-v2, modernbert, ...)"
+        ) from None
+
+
+def attention_for(cfg: ModelConfig, model_class: type[PreTrainedModel]) -> str:
+    """--attn_implementation, or 'eager' with a warning where the model has no sdpa kernel (DeBERTa
+    v2/v3): the default must not fail a model that only supports eager attention."""
+    if cfg.attn_implementation == "sdpa" and not getattr(model_class, "_supports_sdpa", False):
+        logger.warning("%s has no sdpa attention in this transformers version: using --attn_implementation "
+                       "eager", model_class.__name__)
+        return "eager"
+    return cfg.attn_implementation
+
+
 def load_model(cfg: ModelConfig, model_config: Any) -> PreTrainedModel:
-    """AutoModelForMaskedLM from the checkpoint; a missing MLM head is initialised with a warning."""
+    """AutoModelForMaskedLM from the checkpoint; a missing MLM head is initialised with a warning.
+    Every problem with the checkpoint is a ConfigError (the caller loads it before writing anything)."""
     path = resolve_model_path(cfg)
-    with _quiet_transformers():
-        model, info = AutoModelForMaskedLM.from_pretrained(
-            path, config=model_config, attn_implementation=cfg.attn_implementation,
-            output_loading_info=True,
-        )
+    attention = attention_for(cfg, masked_lm_class(model_config, path))
+    try:
+        with _quiet_transformers():
+            model, info = AutoModelForMaskedLM.from_pretrained(
+                path, config=model_config, attn_implementation=attention, output_loading_info=True,
+            )
+    except (OSError, ValueError, RuntimeError) as err:  # missing/corrupt weights, shape mismatches
+        raise ConfigError(f"--model_name_or_path {path!r}: the model could not be loaded "
+                          f"({type(err).__name__}: {str(err).strip()[:400]})") from err
     base = getattr(model, "base_model_prefix", "")
     fresh = sorted(k for k in info["missing_keys"] if not k.startswith(base + "."))
     missing_base = sorted(k for k in info["missing_keys"] if k.startswith(base + "."))

@@ -25,6 +25,7 @@ from typing import Any
 
 import evaluate
 import torch
+import yaml
 from accelerate import Accelerator
 from accelerate.logging import get_logger
 from accelerate.utils import DistributedType, GradientAccumulationPlugin, InitProcessGroupKwargs, set_seed
@@ -141,30 +142,81 @@ class TrainResult:
 # ---------------------------------------------------------------------------------------------
 
 
-def check_output_dir(cfg: Config) -> Path | None:
-    """Refuse to clobber an earlier run unasked; returns the checkpoint to resume from, if any."""
+@dataclass(frozen=True)
+class OutputPlan:
+    """What the run does with --output_dir, decided before anything is written."""
+
+    resume_from: Path | None  # the checkpoint to continue from
+    clear_earlier: bool  # remove the outputs already there (RUN_OUTPUTS) before starting
+    own_checkpoint: bool  # resume_from lies in --output_dir (not another run's folder)
+
+
+def finished_summary(out: Path) -> dict | None:
+    """The summary of a run that finished in `out`; None when there is none or it is torn (a run
+    killed while writing it, before it was written atomically, did not finish)."""
+    try:
+        summary = json.loads((out / "summary.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return summary if isinstance(summary, dict) else None
+
+
+def _earlier_outputs(out: Path) -> list[str]:
+    return [name for name in RUN_OUTPUTS if (out / name).exists()]
+
+
+def _is_same_run(out: Path, cfg: Config) -> bool:
+    """`out` holds an attempt of this very run: its config.yaml differs only in settings a resume may
+    change (or it died before writing one, leaving no metrics, model or summary behind)."""
+    saved_path = out / "config.yaml"
+    if not saved_path.is_file():
+        return not any((out / name).exists() for name in ("metrics.jsonl", "summary.json", "final"))
+    try:
+        saved = yaml.safe_load(saved_path.read_text())
+    except (OSError, yaml.YAMLError):
+        return False
+    changes = ckpt.config_changes(saved if isinstance(saved, dict) else {}, cfg.to_dict())
+    return all(key in ckpt.RESUMABLE_CHANGES for key in changes)
+
+
+def check_output_dir(cfg: Config) -> OutputPlan:
+    """Refuse to clobber another run unasked, whatever the resume source; say what to resume from."""
     out = Path(cfg.run.output_dir)
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--output_dir {out} exists and is not a folder")
-    if cfg.run.resume_from_checkpoint is not None:
-        if cfg.run.overwrite_output_dir:
-            raise ConfigError("--resume_from_checkpoint and --overwrite_output_dir contradict each other")
-        if cfg.run.resume_from_checkpoint != "auto":
-            return ckpt.resolve_resume(cfg.run.resume_from_checkpoint, out)
-        if (out / "summary.json").exists():
+    spec, overwrite = cfg.run.resume_from_checkpoint, cfg.run.overwrite_output_dir
+    earlier = _earlier_outputs(out)
+    if spec == "auto":
+        if overwrite:
+            raise ConfigError("--resume_from_checkpoint auto and --overwrite_output_dir contradict each other")
+        if finished_summary(out) is not None:
             raise AlreadyFinished(f"--output_dir {out} holds a finished run: nothing to do")
         done = ckpt.complete_checkpoints(out)
         if done:
-            return done[-1]
-        if any((out / name).exists() for name in RUN_OUTPUTS):
+            return OutputPlan(done[-1], clear_earlier=False, own_checkpoint=True)
+        if earlier and not _is_same_run(out, cfg):
             raise ConfigError(
-                f"--resume_from_checkpoint auto: --output_dir {out} holds a run that saved no checkpoint "
-                "yet; pass --overwrite_output_dir to start it over (or --checkpointing_steps for requeues)"
+                f"--resume_from_checkpoint auto: --output_dir {out} holds another run ({', '.join(earlier)}; "
+                "its config.yaml differs) that saved no checkpoint; choose another --output_dir, or remove "
+                "that folder if it is not needed"
             )
-        return None
-    earlier = [name for name in RUN_OUTPUTS if (out / name).exists()]
-    if earlier and not cfg.run.overwrite_output_dir:
-        if (out / "summary.json").exists() or (out / "final").exists():
+        # an earlier attempt of this run died before its first checkpoint: nothing to continue from
+        return OutputPlan(None, clear_earlier=bool(earlier), own_checkpoint=False)
+    if spec is not None:
+        path = ckpt.resolve_resume(spec, out)
+        own = out.resolve() in path.resolve().parents
+        if own and overwrite:
+            raise ConfigError(f"--resume_from_checkpoint {spec} lies in --output_dir {out}, which "
+                              "--overwrite_output_dir would delete: drop one of the two")
+        if not own and earlier and not overwrite:
+            raise ConfigError(
+                f"--output_dir {out} holds another run ({', '.join(earlier)}); continuing {path} there would "
+                "overwrite its metrics, checkpoints and model: choose an empty --output_dir, or pass "
+                "--overwrite_output_dir to replace that run"
+            )
+        return OutputPlan(path, clear_earlier=overwrite and bool(earlier), own_checkpoint=own)
+    if earlier and not overwrite:
+        if finished_summary(out) is not None or (out / "final").exists():
             raise ConfigError(
                 f"--output_dir {out} already holds a finished run; pass --overwrite_output_dir to "
                 "replace it, or choose another --output_dir"
@@ -176,7 +228,7 @@ def check_output_dir(cfg: Config) -> Path | None:
             f"--output_dir {out} already holds an unfinished run ({', '.join(earlier)}); "
             f"{hint}--overwrite_output_dir to start over"
         )
-    return None
+    return OutputPlan(None, clear_earlier=overwrite and bool(earlier), own_checkpoint=False)
 
 
 def check_trackers(cfg: Config) -> list[str]:
@@ -267,6 +319,28 @@ def evaluate_mlm(model: torch.nn.Module, loader: DataLoader | None, accelerator:
     return metric.compute(loss_sum=[loss_sum], num_tokens=[int(masked)], num_correct=[int(correct)])
 
 
+def read_metrics_lines(path: Path) -> list[tuple[str, dict[str, Any]]]:
+    """(line, record) of each line of a metrics.jsonl. A cut last line (a run killed while writing
+    it) is dropped; any other broken line is a ConfigError naming it, raised in the preflight on every
+    rank alike, never on the main process alone while the others wait in a collective."""
+    lines = path.read_text().splitlines()
+    kept = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError:
+            if number == len(lines):
+                continue
+            raise ConfigError(f"{path} line {number}: not valid JSON; repair or delete that line, then resume "
+                              "again") from None
+        if not isinstance(record, dict):
+            raise ConfigError(f"{path} line {number}: not a JSON object; repair or delete that line")
+        kept.append((line, record))
+    return kept
+
+
 class MetricsFile:
     """Appends one JSON object per line to output_dir/metrics.jsonl (main process only)."""
 
@@ -274,9 +348,8 @@ class MetricsFile:
         self.path, self.enabled = path, enabled
         if enabled and resume_step is not None and path.exists():
             # drop what a crashed run logged after the checkpoint we resume from
-            kept = [line for line in path.read_text().splitlines()
-                    if line.strip() and json.loads(line).get("step", 0) <= resume_step]
-            path.write_text("".join(line + "\n" for line in kept))
+            kept = [line for line, record in read_metrics_lines(path) if record.get("step", 0) <= resume_step]
+            ckpt.write_atomic(path, "".join(line + "\n" for line in kept))
 
     def write(self, record: dict[str, Any]) -> None:
         if self.enabled:
@@ -286,16 +359,39 @@ class MetricsFile:
     def first_eval(self) -> dict[str, float] | None:
         if not self.path.exists():
             return None
-        for line in self.path.read_text().splitlines():
-            record = json.loads(line)
+        for _line, record in read_metrics_lines(self.path):
             if "eval_loss" in record:
                 return {"loss": record["eval_loss"], "perplexity": record["perplexity"],
                         "accuracy": record["eval_accuracy"]}
         return None
 
 
-def save_checkpoint(accelerator: Accelerator, cfg: Config, state: ckpt.TrainerState, scheduler: Any,
-                    data_state: dict | None = None) -> Path:
+class MainProcessWait:
+    """The collectives in which the other processes wait while the main process alone works (the
+    files of a checkpoint, final/, removing an earlier run): on a gloo group of their own with
+    --save_timeout, so that --ddp_timeout can stay short for the training collectives (DESIGN.md,
+    pitfall 14). Every rank must call each method at the same point."""
+
+    def __init__(self, accelerator: Accelerator, timeout_s: int) -> None:
+        self.group = None
+        if accelerator.num_processes > 1:
+            self.group = torch.distributed.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+
+    def barrier(self) -> None:
+        if self.group is not None:
+            torch.distributed.barrier(group=self.group)
+
+    def any(self, flag: bool) -> bool:
+        """True on every rank when `flag` is true on any rank."""
+        if self.group is None:
+            return flag
+        votes = torch.tensor([float(flag)])  # gloo: a CPU tensor, also next to NCCL
+        torch.distributed.all_reduce(votes, group=self.group)
+        return votes.item() > 0
+
+
+def save_checkpoint(accelerator: Accelerator, wait: MainProcessWait, cfg: Config, state: ckpt.TrainerState,
+                    scheduler: Any, data_state: dict | None = None) -> Path:
     """Every rank writes its part into a temporary folder; the main process completes and renames it.
 
     If any rank fails to write (disk full, quota, ...), all ranks learn it, the temporary folder is
@@ -305,7 +401,7 @@ def save_checkpoint(accelerator: Accelerator, cfg: Config, state: ckpt.TrainerSt
     final = ckpt.checkpoints_dir(cfg.run.output_dir) / ckpt.step_dir_name(state.step)
     if accelerator.is_main_process and tmp.exists():
         shutil.rmtree(tmp)  # the leftovers of a save that was interrupted
-    accelerator.wait_for_everyone()
+    wait.barrier()
     error: Exception | None = None
     try:
         accelerator.save_state(str(tmp))
@@ -313,7 +409,7 @@ def save_checkpoint(accelerator: Accelerator, cfg: Config, state: ckpt.TrainerSt
             (tmp / ckpt.data_state_name(accelerator.process_index)).write_text(json.dumps(data_state))
     except Exception as err:  # safetensors and torch.save report a full disk in their own types
         error = err
-    _agree_saved(accelerator, cfg, tmp, final, error)
+    _agree_saved(accelerator, wait, cfg, tmp, final, error)
     if accelerator.is_main_process:
         try:
             # JSON, not a pickle: a resume never unpickles what the user did not write
@@ -321,19 +417,19 @@ def save_checkpoint(accelerator: Accelerator, cfg: Config, state: ckpt.TrainerSt
             final = ckpt.finalize(tmp, state, cfg.to_yaml())
         except Exception as err:
             error = err
-    _agree_saved(accelerator, cfg, tmp, final, error)
+    _agree_saved(accelerator, wait, cfg, tmp, final, error)
     if accelerator.is_main_process:
         for gone in ckpt.rotate(cfg.run.output_dir, cfg.run.save_total_limit):
             logger.info("deleted old checkpoint %s (--save_total_limit %s)", gone.name, cfg.run.save_total_limit)
         logger.info("saved checkpoint %s", final)
-    accelerator.wait_for_everyone()
+    wait.barrier()
     return final
 
 
-def _agree_saved(accelerator: Accelerator, cfg: Config, tmp: Path, final: Path, error: Exception | None) -> None:
+def _agree_saved(accelerator: Accelerator, wait: MainProcessWait, cfg: Config, tmp: Path, final: Path,
+                 error: Exception | None) -> None:
     """A collective: raise CheckpointWriteError on every rank if the save failed on any rank."""
-    failed = torch.tensor(float(error is not None), device=accelerator.device)
-    if accelerator.reduce(failed, reduction="sum").item() == 0:
+    if not wait.any(error is not None):
         return
     if accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -347,10 +443,11 @@ def _agree_saved(accelerator: Accelerator, cfg: Config, tmp: Path, final: Path, 
     )
 
 
-def save_final(accelerator: Accelerator, model: torch.nn.Module, tokenizer: Any, out: Path) -> Path:
+def save_final(accelerator: Accelerator, wait: MainProcessWait, model: torch.nn.Module, tokenizer: Any,
+               out: Path) -> Path:
     """save_pretrained model + tokenizer into out/final, via a temporary folder renamed at the end."""
     final, tmp = out / "final", out / ".tmp-final"
-    accelerator.wait_for_everyone()
+    wait.barrier()
     weights = accelerator.get_state_dict(model)  # every rank: FSDP gathers the shards to rank 0
     if accelerator.is_main_process:
         if tmp.exists():
@@ -361,21 +458,21 @@ def save_final(accelerator: Accelerator, model: torch.nn.Module, tokenizer: Any,
         if final.exists():
             shutil.rmtree(final)
         tmp.rename(final)
-    accelerator.wait_for_everyone()
+    wait.barrier()
     return final
 
 
-def preempt(accelerator: Accelerator, cfg: Config, position: ckpt.TrainerState, scheduler: Any,
-            data_state: dict | None, signal_name: str | None, already_saved: bool) -> None:
+def preempt(accelerator: Accelerator, wait: MainProcessWait, cfg: Config, position: ckpt.TrainerState,
+            scheduler: Any, data_state: dict | None, signal_name: str | None, already_saved: bool) -> None:
     """Every rank: save one checkpoint at this step boundary (unless it exists), note why, raise."""
     path = ckpt.checkpoints_dir(cfg.run.output_dir) / ckpt.step_dir_name(position.step)
     if not already_saved:
-        path = save_checkpoint(accelerator, cfg, position, scheduler, data_state)
+        path = save_checkpoint(accelerator, wait, cfg, position, scheduler, data_state)
     reason = f"signal {signal_name}" if signal_name else "a stop signal on another process"
     if accelerator.is_main_process:
-        (Path(cfg.run.output_dir) / STOPPED_FILE).write_text(json.dumps(
+        ckpt.write_atomic(Path(cfg.run.output_dir) / STOPPED_FILE, json.dumps(
             {"reason": reason, "step": position.step, "checkpoint": str(path), "exit_code": EXIT_REQUEUE}))
-    accelerator.wait_for_everyone()
+    wait.barrier()
     raise Preempted(f"stopped at step {position.step} on {reason}; checkpoint {path} saved. Requeue the job "
                     "with --resume_from_checkpoint latest to continue")
 
@@ -436,6 +533,13 @@ def wrap_model(cfg: Config, transformers_model: torch.nn.Module) -> MaskedLMLoss
     return model
 
 
+def epoch_steps(epochs: float, batches_per_epoch: int, accumulation: int) -> int:
+    """Optimizer steps of `epochs` epochs: every micro-batch of them is trained on. When accumulation
+    does not divide the epochs' micro-batches, the last step is filled with the first micro-batches of
+    the next epoch (rather than dropping the epoch's last ones and never completing it)."""
+    return max(1, math.ceil(epochs * batches_per_epoch / accumulation - 1e-9))  # 1e-9: float noise
+
+
 def forward_backward(accelerator: Accelerator, model: torch.nn.Module, micro: list[dict[str, torch.Tensor]],
                      scale: torch.Tensor) -> torch.Tensor:
     """Forward and backward of one optimizer step's micro-batches, gradients summed (DDP all-reduces
@@ -475,11 +579,14 @@ def _train(cfg: Config, stop: StopSignals) -> TrainResult:
         raise ConfigError(f"the tokenizer has {len(tokenizer)} tokens but the model's vocabulary only "
                           f"{model_config.vocab_size}; pass the model's own tokenizer")
     topo = dist.detect()
-    resume_from = check_output_dir(cfg)
+    plan = check_output_dir(cfg)
+    resume_from = plan.resume_from
     state = ckpt.TrainerState(step=0, epoch=0, batch_in_epoch=0, tokens_seen=0, world_size=topo.world_size)
     accepted_changes: dict = {}
     if resume_from is not None:
         state, accepted_changes = ckpt.check_resume(resume_from, cfg.to_dict(), topo.world_size)
+        if plan.own_checkpoint and (out / "metrics.jsonl").exists():
+            read_metrics_lines(out / "metrics.jsonl")  # a damaged line stops every rank here, not rank 0 later
     trackers = check_trackers(cfg)
     raw_train, raw_eval = mdata.load_text(cfg.data, cfg.training.seed)
 
@@ -499,6 +606,11 @@ def _train(cfg: Config, stop: StopSignals) -> TrainResult:
     )
     dist.check_accelerator(topo, accelerator.num_processes, str(accelerator.distributed_type))
     rank, world = accelerator.process_index, accelerator.num_processes
+    wait = MainProcessWait(accelerator, cfg.run.save_timeout)
+    # the model too is checked before anything is written: every rank loads it, and a bad checkpoint or
+    # an attention kernel the model lacks is a ConfigError on all of them alike
+    set_seed(t.seed)  # the fresh MLM head (if any) is initialised identically on every rank
+    transformers_model = load_model(cfg.model, model_config)
     if accelerator.device.type == "cpu":
         torch.set_num_threads(dist.cpu_threads_per_process(t.cpu_threads))
     asked = dist.launcher_precision()
@@ -507,7 +619,10 @@ def _train(cfg: Config, stop: StopSignals) -> TrainResult:
                        "--mixed_precision %s (training choices come from the mlm_ddp config: pass "
                        "--mixed_precision %s to use it)", asked, precision, asked)
     if accelerator.is_main_process:
-        if cfg.run.overwrite_output_dir:
+        if plan.clear_earlier:
+            why = ("--overwrite_output_dir" if cfg.run.overwrite_output_dir else
+                   "--resume_from_checkpoint auto: an earlier attempt of this run saved no checkpoint")
+            logger.info("removing the earlier run's %s from %s (%s)", ", ".join(_earlier_outputs(out)), out, why)
             for name in RUN_OUTPUTS:
                 target = out / name
                 if target.is_dir():
@@ -515,7 +630,7 @@ def _train(cfg: Config, stop: StopSignals) -> TrainResult:
                 elif target.exists():
                     target.unlink()
         out.mkdir(parents=True, exist_ok=True)
-    accelerator.wait_for_everyone()
+    wait.barrier()
 
     with patient_main_process_first(accelerator, cfg.run.preprocessing_timeout):
         train_ds = mdata.rank_dataset(raw_train, tokenizer, cfg.data, rank, world, shuffle_seed=t.seed)
@@ -537,7 +652,7 @@ def _train(cfg: Config, stop: StopSignals) -> TrainResult:
                      "an epoch ends for all ranks when the first rank's part ends")
     else:
         sampler = train_dl.batch_sampler
-        total_steps = t.max_train_steps or max(1, math.floor(t.num_train_epochs * sampler.batches_per_epoch / ga))
+        total_steps = t.max_train_steps or epoch_steps(t.num_train_epochs, sampler.batches_per_epoch, ga)
         stats = mdata.pack_stats(train_ds, cfg.data.max_seq_length)
         data_note = (f"{stats.blocks} blocks of {cfg.data.max_seq_length} tokens ({stats.tokens} tokens, "
                      f"{stats.short_blocks} shorter tail blocks, {stats.pad_fraction:.2%} padding), "
@@ -545,8 +660,7 @@ def _train(cfg: Config, stop: StopSignals) -> TrainResult:
                      "blocks repeated to fill the last global batch; rank r takes slice r of every "
                      "global batch")
 
-    set_seed(t.seed)  # the fresh MLM head (if any) is initialised identically on every rank
-    model = wrap_model(cfg, load_model(cfg.model, model_config))
+    model = wrap_model(cfg, transformers_model)
     optimizer = build_optimizer(model, cfg)
     scheduler = get_scheduler(t.lr_scheduler_type, optimizer, num_warmup_steps=t.num_warmup_steps,
                               num_training_steps=total_steps)
@@ -556,8 +670,11 @@ def _train(cfg: Config, stop: StopSignals) -> TrainResult:
         restore(accelerator, resume_from, scheduler, accepted_changes)
         logger.info("resumed from %s at step %d", resume_from, state.step)
     if accelerator.is_main_process:  # only now: a checkpoint that fails to load leaves the run as it was
-        (out / "config.yaml").write_text(cfg.to_yaml())
+        ckpt.write_atomic(out / "config.yaml", cfg.to_yaml())
         (out / STOPPED_FILE).unlink(missing_ok=True)  # this run continues what stopped
+        if plan.own_checkpoint and (aside := ckpt.set_aside_later(out, state.step)) is not None:
+            logger.warning("resumed from step %d: the later checkpoints of the abandoned run were moved to %s "
+                           "(not resumed from, not rotated)", state.step, aside)
     for partial in ckpt.partial_checkpoints(out):
         logger.warning("ignoring %s: an incomplete checkpoint (no %s marker), left by a save that was "
                        "interrupted", partial, ckpt.MARKER)
@@ -640,7 +757,7 @@ def _train(cfg: Config, stop: StopSignals) -> TrainResult:
         masked, stop_votes = accelerator.reduce(local, reduction="sum")
         if stop_votes > 0:
             position = ckpt.TrainerState(step, epoch_before, index_before, tokens_total(), world)
-            preempt(accelerator, cfg, position, scheduler, stream_before, stop.received, saved_step == step)
+            preempt(accelerator, wait, cfg, position, scheduler, stream_before, stop.received, saved_step == step)
         scale = world * ga / masked.clamp(min=1)  # DDP averages over ranks, backward() divides by ga
         window = forward_backward(accelerator, model, micro, scale)
         sums += window
@@ -665,7 +782,9 @@ def _train(cfg: Config, stop: StopSignals) -> TrainResult:
         step += 1
         progress.update(1)
         epoch_float = feed.epoch_float
-        epoch_ended = not feed.stream and feed.index == 0  # map-style only: streams refuse "epoch"
+        # map-style only (streams refuse "epoch"): this step read the last micro-batch of an epoch. A
+        # window may run across the epoch end, so this is the first step that completes the epoch.
+        epoch_ended = not feed.stream and feed.epoch > epoch_before
 
         record: dict[str, Any] = {}
         if step % cfg.run.logging_steps == 0 or step == total_steps:
@@ -688,7 +807,7 @@ def _train(cfg: Config, stop: StopSignals) -> TrainResult:
         every = cfg.run.checkpointing_steps
         if (every == "epoch" and epoch_ended) or (every not in (None, "epoch") and step % int(every) == 0):
             with clock.paused():
-                save_checkpoint(accelerator, cfg,
+                save_checkpoint(accelerator, wait, cfg,
                                 ckpt.TrainerState(step, feed.epoch, feed.index, tokens_total(), world), scheduler,
                                 feed.stream_state())
             saved_step = step
@@ -698,14 +817,14 @@ def _train(cfg: Config, stop: StopSignals) -> TrainResult:
 
     # --- 4. outputs --------------------------------------------------------------------------
     tokens_seen = tokens_total()
-    final = save_final(accelerator, model, tokenizer, out)
+    final = save_final(accelerator, wait, model, tokenizer, out)
     result = TrainResult(
         steps=step, tokens_seen=tokens_seen, wall_time_s=time.perf_counter() - t0,
         tokens_per_s=(tokens_seen - tokens_base) / max(clock.training_s, 1e-9),
         eval_before=eval_before, eval_after=eval_after, output_dir=str(out), final_dir=str(final),
     )
     if accelerator.is_main_process:
-        (out / "summary.json").write_text(json.dumps(asdict(result), indent=1))
+        ckpt.write_atomic(out / "summary.json", json.dumps(asdict(result), indent=1))
     logger.info("%s", summary_line(result))
     if cfg.run.report and accelerator.is_main_process:
         write_run_report(out)
