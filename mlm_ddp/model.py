@@ -114,7 +114,7 @@ def load_model(cfg: ModelConfig, model_config: Any) -> PreTrainedModel:
             model, info = AutoModelForMaskedLM.from_pretrained(
                 path, config=model_config, attn_implementation=attention, output_loading_info=True,
             )
-    except (OSError, ValueError, RuntimeError) as err:  # missing/corrupt weights, shape mismatches
+    except Exception as err:  # noqa: BLE001 - OSError, ValueError, SafetensorError, shape mismatches...
         raise ConfigError(f"--model_name_or_path {path!r}: the model could not be loaded "
                           f"({type(err).__name__}: {str(err).strip()[:400]})") from err
     base = getattr(model, "base_model_prefix", "")

@@ -1,0 +1,235 @@
+"""Generated configurations and the properties every run must keep (DESIGN.md pitfall 12).
+
+Over map-style and streamed data, 1 and 2 processes, accumulation 1 to 4, data so small that some rank
+gets fewer micro-batches than a window, checkpoints by steps and by epoch, and resumes into the same
+and into another folder, every run either
+
+- finishes with exactly the expected optimizer steps and checkpoints (a resumed one continuing the
+  uninterrupted curve), changing nothing outside its own output folder, or
+- stops at once with exit code 2 and one error line, changing nothing at all;
+
+and no run hangs (each batch of runs has a time limit). The expected numbers are computed here from
+the token counts, independently of the training code. Runs of the same process count share one
+start-up (tests/matrix_driver.py).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO, corpus_paragraphs
+from tests.test_topology import CONFIGS, LAUNCH, free_port
+
+SEQ = 16
+STREAM_STEPS, STREAM_EVERY = 5, 2
+EPOCHS = 2
+RUN_BOUND_S = 60  # one tiny run takes about a second; a livelock or a hang would take forever
+
+
+@dataclass
+class Case:
+    id: str
+    procs: int
+    argv: list[str]
+    out: Path
+    exit: int = 0
+    steps: int | None = None
+    checkpoints: list[int] = field(default_factory=list)
+    resumes_from: tuple[str, int] | None = None  # (case id, step) of the checkpoint it continues
+
+
+def words_lines(count: int, offset: int) -> list[str]:
+    """`count` short lines of real text (1 to 3 words), so block counts move in steps of one."""
+    words = " ".join(corpus_paragraphs()[offset: offset + 40]).split()
+    lines, at = [], 0
+    for i in range(count):
+        n = 1 + (i * 7 + offset) % 3
+        lines.append(" ".join(words[at: at + n]))
+        at += n
+    return lines
+
+
+def blocks(tokenizer, lines: list[str]) -> int:
+    """Packed blocks of SEQ tokens: every text is [CLS] text [SEP], all concatenated, the rest kept."""
+    tokens = sum(len(tokenizer(line)["input_ids"]) for line in lines)
+    return math.ceil(tokens / SEQ)
+
+
+def epoch_checkpoints(steps: int, per_epoch: int, accumulation: int) -> list[int]:
+    """The steps that read the last micro-batch of an epoch: a window may run across the epoch end."""
+    return [s for s in range(1, steps + 1)
+            if (s * accumulation) // per_epoch > ((s - 1) * accumulation) // per_epoch]
+
+
+def build_cases(tiny_model: Path, root: Path) -> list[Case]:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    cases: list[Case] = []
+
+    def base(case_id: str, train_file: Path, batch: int, accumulation: int, *extra: str) -> tuple[list[str], Path]:
+        out = root / case_id
+        return [
+            "--model_name_or_path", str(tiny_model), "--train_file", str(train_file), "--output_dir", str(out),
+            "--validation_split_percentage", "0", "--max_seq_length", str(SEQ),
+            "--per_device_train_batch_size", str(batch), "--gradient_accumulation_steps", str(accumulation),
+            "--learning_rate", "1e-3", "--logging_steps", "1", "--report", "false", "--cpu_threads", "1", *extra,
+        ], out
+
+    # map-style, one process: micro-batches per epoch 1..7 (batch 1) x accumulation 1..4, 2 epochs,
+    # a checkpoint at each epoch end
+    files: dict[int, Path] = {}
+    for n in range(1, 80):
+        lines = words_lines(n, 0)
+        count = blocks(tokenizer, lines)
+        if count <= 7 and count not in files:
+            files[count] = root / "data" / f"map-{count}.txt"
+            files[count].parent.mkdir(parents=True, exist_ok=True)
+            files[count].write_text("\n".join(lines) + "\n")
+    assert sorted(files) == list(range(1, 8)), sorted(files)
+    for per_epoch, path in sorted(files.items()):
+        for ga in range(1, 5):
+            argv, out = base(f"map-p1-b{per_epoch}-ga{ga}", path, 1, ga, "--num_train_epochs", str(EPOCHS),
+                             "--checkpointing_steps", "epoch")
+            steps = math.ceil(EPOCHS * per_epoch / ga)
+            cases.append(Case(out.name, 1, argv, out, steps=steps,
+                              checkpoints=epoch_checkpoints(steps, per_epoch, ga)))
+
+    # map-style, two processes, batch 2: the last global batch is filled up by repeating blocks
+    for size in (5, 13):
+        lines = words_lines(size, 3)
+        path = root / "data" / f"map2-{size}.txt"
+        path.write_text("\n".join(lines) + "\n")
+        per_epoch = math.ceil(blocks(tokenizer, lines) / (2 * 2))
+        for ga in range(1, 5):
+            argv, out = base(f"map-p2-n{size}-ga{ga}", path, 2, ga, "--num_train_epochs", str(EPOCHS),
+                             "--checkpointing_steps", "epoch")
+            steps = math.ceil(EPOCHS * per_epoch / ga)
+            cases.append(Case(out.name, 2, argv, out, steps=steps,
+                              checkpoints=epoch_checkpoints(steps, per_epoch, ga)))
+
+    # streams: one file (one shard), read in one chunk; with 2 processes rank r keeps texts r, r+2, ...
+    # A rank whose part gives fewer micro-batches than a window can never fill a step: exit 2.
+    for size in (6, 24):
+        lines = words_lines(size, 5)
+        path = root / "data" / f"stream-{size}.txt"
+        path.write_text("\n".join(lines) + "\n")
+        for procs in (1, 2):
+            per_rank = [math.ceil(blocks(tokenizer, lines[r::procs]) / 2) for r in range(procs)]  # batch 2
+            for ga in range(1, 5):
+                argv, out = base(f"stream-p{procs}-n{size}-ga{ga}", path, 2, ga, "--streaming",
+                                 "--max_train_steps", str(STREAM_STEPS), "--checkpointing_steps", str(STREAM_EVERY),
+                                 "--shuffle_buffer_size", "1000")
+                if min(per_rank) < ga:
+                    cases.append(Case(out.name, procs, argv, out, exit=2))
+                else:
+                    cases.append(Case(out.name, procs, argv, out, steps=STREAM_STEPS,
+                                      checkpoints=list(range(STREAM_EVERY, STREAM_STEPS + 1, STREAM_EVERY))))
+        # a stream has no epoch end known in advance: refused at once
+        for procs in (1, 2):
+            argv, out = base(f"stream-p{procs}-n{size}-epoch", path, 2, 1, "--streaming", "--max_train_steps", "3",
+                             "--checkpointing_steps", "epoch")
+            cases.append(Case(out.name, procs, argv, out, exit=2))
+
+    # resumes from the first checkpoint of finished runs (one in two), alternately into the same folder
+    # (the later checkpoints are set aside) and into a fresh one; and into another run's folder: refused
+    finished = [c for c in cases if c.exit == 0 and c.checkpoints and c.checkpoints[0] < c.steps]
+    for i, case in enumerate(finished[::2]):
+        step = case.checkpoints[0]
+        source = case.out / "checkpoints" / f"step-{step:07d}"
+        same = i % 2 == 0
+        out = case.out if same else root / f"{case.id}-resumed"
+        argv = [*case.argv, "--output_dir", str(out), "--resume_from_checkpoint", str(source)]
+        cases.append(Case(f"{case.id}-resume-{'same' if same else 'other'}", case.procs, argv, out,
+                          steps=case.steps, checkpoints=case.checkpoints, resumes_from=(case.id, step)))
+    for procs in (1, 2):
+        donor, victim = [c for c in finished if c.procs == procs][:2]
+        source = donor.out / "checkpoints" / f"step-{donor.checkpoints[0]:07d}"
+        argv = [*donor.argv, "--output_dir", str(victim.out), "--resume_from_checkpoint", str(source)]
+        cases.append(Case(f"{donor.id}-into-{victim.id}", procs, argv, victim.out, exit=2))
+    return cases
+
+
+def run_all(cases: list[Case], procs: int, root: Path) -> dict[str, dict]:
+    """Every case of `procs` processes in one driver process group, with a time limit for them all."""
+    mine = [c for c in cases if c.procs == procs]
+    spec = root / f"cases-{procs}.json"
+    spec.write_text(json.dumps([{"id": c.id, "argv": c.argv, "out": str(c.out), "root": str(root)} for c in mine]))
+    results = root.parent / f"{root.name}-results-p{procs}"  # outside root: written while others run
+    results.mkdir()
+    if procs == 1:
+        command = [sys.executable, "-m", "tests.matrix_driver"]
+    else:
+        command = [sys.executable, "-m", *LAUNCH, "--config_file", str(CONFIGS / "cpu_ddp.yaml"),
+                   "--main_process_port", str(free_port()), "-m", "tests.matrix_driver"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": f"{REPO}:{os.environ.get('PYTHONPATH', '')}"}
+    proc = subprocess.run([*command, str(spec), str(results)], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=RUN_BOUND_S * len(mine))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    by_rank = [json.loads((results / f"results_{r}.json").read_text()) for r in range(procs)]
+    for rank_results in by_rank[1:]:  # every rank ended every run the same way
+        assert [(r["id"], r["exit"]) for r in rank_results] == [(r["id"], r["exit"]) for r in by_rank[0]]
+    return {r["id"]: r for r in by_rank[0]}
+
+
+@pytest.fixture(scope="module")
+def matrix(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[list[Case], dict[str, dict]]:
+    root = tmp_path_factory.mktemp("matrix")
+    cases = build_cases(tiny_model, root)
+    results = {**run_all(cases, 1, root), **run_all(cases, 2, root)}
+    return cases, results
+
+
+def check(case: Case, result: dict, cases: dict[str, Case], curves: dict[str, dict[int, float]]) -> None:
+    assert result["elapsed"] < RUN_BOUND_S
+    if case.exit != 0:
+        assert result["exit"] == case.exit, result
+        assert len(result["errors"]) == 1 and result["errors"][0].startswith("mlm_ddp.train: error:"), result
+        assert result["changed"] == [], result  # nothing written, nothing removed
+        return
+    assert result["exit"] == 0, result
+    assert result["changed_outside"] == [], result
+    assert result["summary_steps"] == case.steps
+    curve = {int(k): v for k, v in result["curve"].items()}
+    if case.resumes_from is None:
+        assert sorted(curve) == list(range(1, case.steps + 1))
+        assert result["checkpoints"] == case.checkpoints
+        return
+    source_id, step = case.resumes_from
+    same_folder = case.out == cases[source_id].out
+    assert sorted(curve) == list(range(1 if same_folder else step + 1, case.steps + 1))
+    reference = curves[source_id]  # the uninterrupted run's curve, recorded before any resume
+    # a step whose micro-batches drew no mask has loss 0: compare with an absolute floor
+    assert all(abs(curve[s] - reference[s]) <= 1e-5 * abs(reference[s]) + 1e-7 for s in curve), (curve, reference)
+    later = [s for s in case.checkpoints if s > step]
+    assert result["checkpoints"] == (case.checkpoints if same_folder else later)
+    # the abandoned run's later checkpoints: kept, but where neither `latest` nor rotation looks
+    assert result["aside"] == ([f"checkpoints/abandoned-after-step-{step:07d}/step-{s:07d}" for s in later]
+                               if same_folder else [])
+
+
+def test_every_generated_run_finishes_exactly_or_stops_at_once(matrix) -> None:
+    cases, results = matrix
+    by_id = {c.id: c for c in cases}
+    assert set(results) == set(by_id)
+    # each uninterrupted curve as recorded right after its run (a resume into the same folder rewrites it)
+    curves = {c.id: {int(k): v for k, v in results[c.id]["curve"].items()}
+              for c in cases if c.resumes_from is None and c.exit == 0}
+    failures = []
+    for case in cases:
+        try:
+            check(case, results[case.id], by_id, curves)
+        except Exception as err:  # noqa: BLE001 - every broken property is listed, not only the first
+            failures.append(f"{case.id}: {type(err).__name__}: {str(err)[:600]}")
+    assert not failures, f"{len(failures)} of {len(cases)} runs broke a property:\n" + "\n".join(failures)
+    # the matrix holds each kind of outcome, for 1 and 2 processes
+    kinds = {(c.procs, c.exit, c.resumes_from is not None) for c in cases}
+    assert {(p, e, r) for p in (1, 2) for e, r in ((0, False), (2, False), (0, True))} <= kinds
