@@ -6,9 +6,14 @@
 #
 # Edit the #SBATCH lines for your cluster (and nothing else). With GPUs, one process per GPU of a node
 # (--gpus-per-node); without, PROCS_PER_NODE CPU processes per node (default 1) over gloo.
-# Preemption or the time limit: Slurm sends USR1 to this script GRACE seconds early (--signal); every
-# process finishes its step, all save one checkpoint, and the job requeues itself. The requeued job
-# resumes from that checkpoint (--resume_from_checkpoint auto), so no step is lost or repeated.
+# Preemption or the time limit: Slurm sends USR1 to this script 120 s early (--signal); every process
+# finishes its step, all save one checkpoint, and the job requeues itself. The requeued job resumes
+# from that checkpoint (--resume_from_checkpoint auto), so no step is lost or repeated. The save has
+# 30 s, not 120: the script passes SIGTERM on at once, and torchrun (inside accelerate launch) kills
+# its workers 30 s after its own SIGTERM.
+# scancel: Slurm itself sends SIGTERM to every process, which saves one checkpoint, and SIGKILL after
+# KillWait (slurm.conf, default 30 s); the job ends CANCELLED and is not requeued.
+# --overwrite_output_dir is refused: every attempt resumes --output_dir, so none may erase it.
 #
 #SBATCH --job-name=mlm_ddp
 #SBATCH --nodes=2
@@ -32,11 +37,47 @@ cd "${SLURM_SUBMIT_DIR:-.}"
 config=${ACCELERATE_CONFIG:-accelerate_configs/multi_node.yaml}
 [[ -f $config ]] || die "$config not found: submit from the mlm_ddp folder, or export ACCELERATE_CONFIG"
 
-# one rendezvous for all nodes: the first node's address and a port derived from the job id
-# (mlm_ddp.distributed.slurm_master_port computes the same number)
+# The flags are checked once, here, before any node starts: a bad one is one line, not one per rank.
+# Every attempt of this job, requeues included, resumes --output_dir (--resume_from_checkpoint auto
+# below), so --overwrite_output_dir is refused rather than allowed to erase a requeued job's
+# checkpoints.
+python -c '
+import sys
+from mlm_ddp.config import ConfigError, parse_args
+try:
+    out = parse_args(sys.argv[1:]).run
+except ConfigError as err:
+    sys.exit(f"slurm/multinode.sh: error: {err}")
+if out.overwrite_output_dir:
+    sys.exit(f"slurm/multinode.sh: error: --overwrite_output_dir: every attempt of this job, requeues included, "
+             f"resumes --output_dir {out.output_dir} (--resume_from_checkpoint auto), so it cannot erase it; "
+             f"remove {out.output_dir} yourself or choose another --output_dir, and submit without "
+             "--overwrite_output_dir")
+' --resume_from_checkpoint auto "$@" || exit 2
+
+# One rendezvous for all nodes: the first node's address and a port derived from the job id
+# (mlm_ddp.distributed.slurm_master_port computes the same number). This script runs on the first
+# node, where the master listens: if another program holds that port, take the next free one.
 MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)
-MASTER_PORT=$((15000 + SLURM_JOB_ID % 15000))
 [[ -n $MASTER_ADDR ]] || die "scontrol expanded the node list '$SLURM_JOB_NODELIST' to nothing"
+job_port=$((15000 + SLURM_JOB_ID % 15000))
+MASTER_PORT=$(python -c '
+import socket, sys
+first = int(sys.argv[1])
+for port in range(first, first + 100):
+    with socket.socket() as probe:
+        try:
+            probe.bind(("", port))
+        except OSError:
+            continue
+        print(port)
+        break
+' "$job_port")
+[[ -n $MASTER_PORT ]] || die "ports $job_port-$((job_port + 99)) are all taken on $(hostname): free one of them"
+if ((MASTER_PORT != job_port)); then
+    echo "mlm_ddp: port $job_port (15000 + job id % 15000) is taken on $(hostname); using $MASTER_PORT," \
+         "the next free one"
+fi
 if [[ -n ${SLURM_GPUS_ON_NODE:-} ]]; then
     PROCS_PER_NODE=$SLURM_GPUS_ON_NODE
 else
@@ -47,18 +88,29 @@ export MASTER_ADDR MASTER_PORT PROCS_PER_NODE config
 echo "mlm_ddp: job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}): $SLURM_NNODES node(s) x $PROCS_PER_NODE" \
      "process(es), master $MASTER_ADDR:$MASTER_PORT"
 
-# On the warning, SIGTERM goes to every process of the step (scancel --signal does not cancel it;
-# signalling srun would): the training processes agree at the next step boundary, save one
+# On the warning (USR1), SIGTERM goes to every process of the step (scancel --signal does not cancel
+# it; signalling srun would): the training processes agree at the next step boundary, save one
 # checkpoint and exit 75. The launchers also get SIGTERM and give them 30 s (torchrun's shutdown
-# grace) before SIGKILL, so a checkpoint must save within that.
+# grace) before SIGKILL, so a checkpoint must save within that, whatever --signal's lead time.
+# SIGTERM to this script is not a warning: scancel sends it (so does Slurm ending or requeueing the job
+# itself), to every process of the step as well, so they save by themselves; requeueing from here
+# would bring a cancelled job back.
 preempted=0
+cancelled=0
 # shellcheck disable=SC2317,SC2329  # called by the trap
 on_warning() {
     preempted=1
     echo "mlm_ddp: preemption warning: asking every process to save a checkpoint"
     scancel --signal=TERM "$SLURM_JOB_ID.0" || true  # step 0: the srun below, this script's only step
 }
-trap on_warning USR1 TERM
+# shellcheck disable=SC2317,SC2329  # called by the trap
+on_cancel() {
+    cancelled=1
+    echo "mlm_ddp: SIGTERM from Slurm (scancel, or the job ending): every process saves a checkpoint;" \
+         "not requeueing"
+}
+trap on_warning USR1
+trap on_cancel TERM
 
 # One task per node runs accelerate launch (exec: the task is the launcher); $SLURM_NODEID is
 # expanded inside the step, on each node.
@@ -76,7 +128,7 @@ while true; do
     kill -0 "$step_pid" 2>/dev/null || break
 done
 
-if ((preempted)); then
+if ((preempted && !cancelled)); then
     echo "mlm_ddp: checkpoint saved; requeueing job $SLURM_JOB_ID"
     scontrol requeue "$SLURM_JOB_ID"
     exit 0

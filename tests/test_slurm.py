@@ -1,12 +1,16 @@
 """`sbatch slurm/multinode.sh` on a real two-node Slurm cluster (tests/slurm_cluster.sh): one process
-group across the nodes, the loss curve of a local run, and a preemption that checkpoints, requeues
-and resumes without losing or repeating a step."""
+group across the nodes, the loss curve of a local run, a preemption that checkpoints, requeues and
+resumes without losing or repeating a step, a cancel that saves and stays cancelled, and the launch
+paths that must end at once or recover (--overwrite_output_dir, an earlier attempt that saved no
+checkpoint, a taken port)."""
 
 from __future__ import annotations
 
 import json
 import os
 import shutil
+import signal
+import socket
 import subprocess
 import sys
 import time
@@ -29,26 +33,33 @@ from tests.conftest import (
 STEPS = 40
 
 
-def sbatch(env: dict, out: Path, *args: str) -> str:
+ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "GONE")
+
+
+def sbatch(env: dict, out: Path, *args: str, options: tuple[str, ...] = ()) -> str:
     log = str(out.parent / "job-%j.out")
-    proc = subprocess.run(["sbatch", "--parsable", "-o", log, "-e", log,
+    proc = subprocess.run(["sbatch", "--parsable", "-o", log, "-e", log, *options,
                            str(REPO / "slurm" / "multinode.sh"), *args], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     return proc.stdout.strip().split(";")[0]
 
 
-def job_state(env: dict, job: str) -> str:
+def job_fields(env: dict, job: str) -> dict[str, str]:
+    """`scontrol show job` as key -> value (JobState, Restarts, ExitCode, ...); {} once it is gone."""
     proc = subprocess.run(["scontrol", "show", "job", job], env=env, capture_output=True, text=True)
-    fields = dict(f.split("=", 1) for f in proc.stdout.split() if "=" in f)
-    return fields.get("JobState", "GONE")
+    return dict(f.split("=", 1) for f in proc.stdout.split() if "=" in f)
+
+
+def job_state(env: dict, job: str) -> str:
+    return job_fields(env, job).get("JobState", "GONE")
 
 
 def wait_done(env: dict, job: str, timeout: float) -> str:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         state = job_state(env, job)
-        if state in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "GONE"):
+        if state in ENDED:
             return state
         time.sleep(0.5)
     raise AssertionError(f"job {job} still {job_state(env, job)} after {timeout} s")
@@ -94,6 +105,88 @@ def test_preemption_checkpoints_requeues_and_resumes(slurm: dict, uninterrupted:
     assert json.loads((out / "summary.json").read_text())["steps"] == STEPS
     a, b = train_losses(uninterrupted), train_losses(out)
     assert max(abs(a[s] - b[s]) / a[s] for s in a) <= 1e-5
+
+
+def test_overwrite_output_dir_is_refused_before_anything_runs(slurm: dict, tiny_model: Path, corpus: dict,
+                                                               tmp_path: Path) -> None:
+    # every attempt resumes --output_dir: erasing it would lose a requeued job's checkpoints
+    out = tmp_path / "run"
+    job = sbatch(slurm, out, *job_args(tiny_model, corpus, out), "--overwrite_output_dir")
+    assert wait_done(slurm, job, 120) == "FAILED"
+    fields = job_fields(slurm, job)
+    log = (tmp_path / f"job-{job}.out").read_text()
+    assert fields["ExitCode"] == "2:0" and fields["Restarts"] == "0", log
+    [line] = log.splitlines()  # one line, before any srun step or output
+    assert line.startswith("slurm/multinode.sh: error: --overwrite_output_dir") and str(out) in line
+    assert "choose another --output_dir" in line
+    assert not out.exists()
+
+
+def test_scancel_saves_a_checkpoint_and_does_not_requeue(slurm: dict, tiny_model: Path, corpus: dict,
+                                                         tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    # enough steps to be running when cancelled, few enough that a job which requeued itself ends soon
+    job = sbatch(slurm, out, *tiny_args(tiny_model, corpus, out, "--max_train_steps", "400"))
+    wait_for(lambda: last_step(out) >= 3, 180, "step 3 of the job")
+    subprocess.run(["scancel", job], env=slurm, check=True)
+    # a requeue shows as a restart count (and a job pending or running again)
+    wait_for(lambda: job_state(slurm, job) in ENDED or job_fields(slurm, job).get("Restarts", "0") != "0",
+             120, f"job {job} to end")
+    time.sleep(3)  # a requeue from the batch script would come after the step ended
+    fields, log = job_fields(slurm, job), (tmp_path / f"job-{job}.out").read_text()
+    assert fields["JobState"] == "CANCELLED" and fields["Restarts"] == "0", log[-3000:]
+    assert "not requeueing" in log and "requeueing job" not in log
+    stopped = json.loads((out / "stopped.json").read_text())
+    assert stopped["reason"] == "signal SIGTERM" and 3 <= stopped["step"], stopped
+    assert (Path(stopped["checkpoint"]) / "COMPLETE").is_file()
+
+
+@pytest.fixture(scope="module")
+def over_a_dead_attempt_on_a_taken_port(slurm: dict, tiny_model: Path, corpus: dict,
+                                        tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """One job for two launch paths: --output_dir holds an earlier attempt of the same run that died
+    (SIGKILL: a node failure, an OOM kill) before its first checkpoint, which is what a requeued job
+    finds then; and another program listens on the job-id port of the master node."""
+    out = tmp_path_factory.mktemp("dead_attempt") / "run"
+    args = job_args(tiny_model, corpus, out)
+    first = subprocess.Popen([sys.executable, "-m", "mlm_ddp.train", "--resume_from_checkpoint", "auto", *args],
+                             cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_for(lambda: last_step(out) >= 2, 180, "step 2 of the first attempt")
+    finally:
+        first.send_signal(signal.SIGKILL)
+        first.wait()
+    assert not (out / "checkpoints").exists() and not (out / "summary.json").exists()
+    job = sbatch(slurm, out, *args, options=("--hold",))  # held: its port is known before it runs
+    port = 15000 + int(job) % 15000
+    with socket.socket() as taken:  # the test and both nodes share this machine's ports
+        taken.bind(("", port))
+        taken.listen()
+        subprocess.run(["scontrol", "release", job], env=slurm, check=True)
+        try:
+            state = wait_done(slurm, job, 300)
+        except AssertionError:
+            subprocess.run(["scancel", job], env=slurm)  # a rendezvous on a taken port hangs
+            raise
+    return {"out": out, "job": job, "port": port, "state": state,
+            "log": (out.parent / f"job-{job}.out").read_text()}
+
+
+def test_a_taken_job_id_port_moves_to_the_next_free_one(over_a_dead_attempt_on_a_taken_port: dict) -> None:
+    run = over_a_dead_attempt_on_a_taken_port
+    port, log = run["port"], run["log"]
+    assert run["state"] == "COMPLETED", log[-3000:]
+    assert f"port {port} (15000 + job id % 15000) is taken on n1; using {port + 1}, the next free one" in log
+    assert f"master n1:{port + 1}" in log
+
+
+def test_an_attempt_that_died_before_its_first_checkpoint_is_started_over(
+        over_a_dead_attempt_on_a_taken_port: dict) -> None:
+    run = over_a_dead_attempt_on_a_taken_port
+    out = run["out"]
+    assert run["state"] == "COMPLETED", run["log"][-3000:]
+    assert json.loads((out / "summary.json").read_text())["steps"] == STEPS
+    assert [r["step"] for r in read_metrics(out) if "loss" in r] == list(range(1, STEPS + 1))
 
 
 def test_srun_one_task_per_process_is_recognised_and_connects(slurm: dict) -> None:
