@@ -9,13 +9,19 @@ Preemption and timeout: Slurm (via Submitit's `--signal`) sends USR2 to every ta
 mlm_ddp's own handler catches it on every rank (Submitit's would checkpoint on rank 0 only, submitit
 #9): all ranks save one checkpoint at the next step boundary. Rank 0 then requeues the job, and the
 requeued job reruns this same task with `--resume_from_checkpoint auto`.
+
+Every attempt resumes `--output_dir`, so `--overwrite_output_dir` is refused before submission. A run
+that already finished ends as a success (its summary.json is the result). Bad input found on the
+cluster (a ConfigError) ends every task with one line and exit 2, never a traceback or a requeue.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -24,9 +30,10 @@ from typing import Any
 
 from mlm_ddp import distributed as dist
 from mlm_ddp.config import ConfigError, parse_args
-from mlm_ddp.train import EXIT_BAD_INPUT, EXIT_REQUEUE, Preempted, setup_logging, train
+from mlm_ddp.train import EXIT_BAD_INPUT, EXIT_REQUEUE, AlreadyFinished, Preempted, setup_logging, train
 
 CLUSTERS = ("slurm", "local", "debug")
+BAD_INPUT_PREFIX = "mlm_ddp.submit: error: "  # how a task's bad-input line starts; --wait looks for it
 
 
 class TrainTask:
@@ -41,6 +48,19 @@ class TrainTask:
         cfg = parse_args(["--resume_from_checkpoint", "auto", *self.train_argv])
         try:
             return dataclasses.asdict(train(cfg))
+        except AlreadyFinished:
+            # a finished run submitted again: nothing to do, which is a success, not a failed job
+            summary = json.loads((Path(cfg.run.output_dir) / "summary.json").read_text())
+            print(f"mlm_ddp.submit: --output_dir {cfg.run.output_dir} holds a finished run ({summary['steps']} "
+                  "steps): nothing to do", file=sys.stderr, flush=True)
+            return summary
+        except ConfigError as err:
+            # bad input seen only on the cluster: it fails the same way on every attempt, so one line
+            # and exit 2 on every task, and no requeue
+            line = f"{BAD_INPUT_PREFIX}{err}"
+            print(line, file=sys.stderr, flush=True)
+            record_failure(line)
+            sys.exit(EXIT_BAD_INPUT)
         except Preempted as stop:
             topo = dist.detect(cuda_devices=0)
             print(f"mlm_ddp.submit: {stop}", file=sys.stderr, flush=True)
@@ -55,6 +75,32 @@ class TrainTask:
         import submitit
 
         return submitit.helpers.DelayedSubmission(TrainTask(self.train_argv))
+
+
+def record_failure(line: str) -> None:
+    """Leave `line` as this task's outcome where Submitit looks for it. A task that exits without a
+    result file leaves `job.results()` (and so --wait) polling sacct, forever on a cluster without
+    accounting; with this file it raises at once with the line instead of a traceback."""
+    import submitit
+    from submitit.core import utils
+
+    env = submitit.JobEnvironment()
+    if env.cluster == "debug":  # the task runs in the submitting process: its exit ends that process
+        return
+    with utils.temporary_save_path(env.paths.result_pickle) as tmp:  # what submitit writes on an exception
+        utils.cloudpickle_dump(("error", line), tmp)
+
+
+def failure_line(job: Any, err: Exception) -> tuple[str, int]:
+    """One line and an exit code for a job that did not succeed, from the error `job.results()`
+    raised (Submitit's message holds the task's outcome or traceback, then the log paths)."""
+    text = str(err)
+    bad_input = re.search(f"^{re.escape(BAD_INPUT_PREFIX)}(.*)$", text, re.MULTILINE)
+    if bad_input:
+        return f"job {job.job_id} stopped on bad input, on every task, not requeued: {bad_input.group(1)}", \
+            EXIT_BAD_INPUT
+    lines = [line for line in text.split("You can check full logs")[0].splitlines() if line.strip("- ")]
+    return f"job {job.job_id} failed: {lines[-1] if lines else type(err).__name__} (log: {job.paths.stderr})", 1
 
 
 def parser() -> argparse.ArgumentParser:
@@ -108,6 +154,11 @@ def submit(args: argparse.Namespace, train_argv: list[str]) -> Any:
     import submitit
 
     cfg = parse_args(train_argv)  # every training flag checked here, before anything is submitted
+    if cfg.run.overwrite_output_dir:
+        out = cfg.run.output_dir
+        raise ConfigError(f"--overwrite_output_dir: every attempt of this job, requeues included, resumes "
+                          f"--output_dir {out} (--resume_from_checkpoint auto), so it cannot erase it; remove "
+                          f"{out} yourself or choose another --output_dir, and submit without --overwrite_output_dir")
     for flag, value in (("--train_file", cfg.data.train_file), ("--validation_file", cfg.data.validation_file)):
         if value is not None and not Path(value).is_file():
             raise ConfigError(f"{flag} {value}: no such file (the job would fail on it)")
@@ -146,9 +197,10 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     try:
         result = job.results()[0]  # one result per task; rank 0's describes the run
-    except Exception as err:  # submitit re-raises the task's failure with its traceback
-        print(f"mlm_ddp.submit: job {job.job_id} failed: {err}", file=sys.stderr)
-        return 1
+    except Exception as err:  # submitit raises the task's outcome: our one line, or its traceback
+        line, code = failure_line(job, err)
+        print(f"mlm_ddp.submit: {line}", file=sys.stderr)
+        return code
     print(f"job {job.job_id} finished in {time.monotonic() - started:.0f} s: {result['steps']} steps, "
           f"model in {result['final_dir']}")
     return 0

@@ -1,5 +1,6 @@
 """`python -m mlm_ddp.submit`: in-process without Slurm, across two nodes of the real local cluster,
-through a preemption, and refusing bad input before anything is submitted."""
+through a preemption, refusing bad input before anything is submitted, and ending clearly when a
+run already finished or bad input shows only on the cluster."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from tests.conftest import (
     train_losses,
     wait_for,
 )
-from tests.test_slurm import wait_done
+from tests.test_slurm import job_fields, wait_done
 
 STEPS = 30
 
@@ -39,10 +40,17 @@ def job_args(tiny_model: Path, corpus: dict, out: Path) -> list[str]:
 
 def test_debug_cluster_runs_the_job_end_to_end(tiny_model: Path, corpus: dict, tmp_path: Path, capsys) -> None:
     out = tmp_path / "run"
-    assert main(["--cluster", "debug", "--wait", *tiny_args(tiny_model, corpus, out, "--max_train_steps", "3")]) == 0
+    args = ["--cluster", "debug", "--wait", *tiny_args(tiny_model, corpus, out, "--max_train_steps", "3")]
+    assert main(args) == 0
     assert "finished in" in capsys.readouterr().out
     assert json.loads((out / "summary.json").read_text())["steps"] == 3
     assert (out / "final" / "model.safetensors").exists()
+    # submitted again: the run is finished, which is a success with one line, not a failure
+    assert main(args) == 0
+    captured = capsys.readouterr()
+    assert "finished in" in captured.out and ": 3 steps" in captured.out
+    assert [line for line in captured.err.splitlines() if line.startswith("mlm_ddp.submit:")] == [
+        f"mlm_ddp.submit: --output_dir {out} holds a finished run (3 steps): nothing to do"]
 
 
 @pytest.mark.parametrize(("case", "message"), [
@@ -51,6 +59,8 @@ def test_debug_cluster_runs_the_job_end_to_end(tiny_model: Path, corpus: dict, t
     ("unwritable_job_dir", "--job_dir .*cannot be written"),
     ("missing_train_file", "--train_file .*no such file"),
     ("local_two_nodes", "--cluster local runs one process"),
+    ("overwrite", "^mlm_ddp.submit: error: --overwrite_output_dir: every attempt of this job.*resumes --output_dir "
+                  ".*choose another --output_dir, and submit without --overwrite_output_dir$"),
 ])
 def test_bad_input_is_refused_before_submission(case: str, message: str, tiny_model: Path, corpus: dict,
                                                 tmp_path: Path) -> None:
@@ -59,10 +69,13 @@ def test_bad_input_is_refused_before_submission(case: str, message: str, tiny_mo
     extra = {"unknown_flag": ["--no_such_flag", "1"], "nodes_0": ["--nodes", "0"],
              "unwritable_job_dir": ["--job_dir", str(corpus["train"] / "jobs")],
              "missing_train_file": ["--train_file", str(tmp_path / "absent.txt")],
-             "local_two_nodes": ["--cluster", "local", "--nodes", "2"]}[case]
+             "local_two_nodes": ["--cluster", "local", "--nodes", "2"],
+             "overwrite": ["--overwrite_output_dir"]}[case]
     proc = submit({}, *args, *extra)
     assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert re.search(message, proc.stderr), proc.stderr
+    assert re.search(message, proc.stderr, re.MULTILINE), proc.stderr
+    if case != "unknown_flag":  # argparse adds its usage
+        assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert "submitted job" not in proc.stdout and not out.exists()
 
 
@@ -104,3 +117,41 @@ def test_preemption_saves_on_every_rank_requeues_and_resumes(slurm: dict, submit
     assert [r["step"] for r in read_metrics(out) if "loss" in r] == list(range(1, STEPS + 1))
     a, b = train_losses(submitted), train_losses(out)
     assert max(abs(a[s] - b[s]) / a[s] for s in a) <= 1e-5
+
+
+def task_logs(job_dir: Path, job: str) -> list[str]:
+    return [p.read_text() for p in sorted((job_dir / job).glob("*_log.err"))]
+
+
+def test_a_finished_run_submitted_again_is_a_success(slurm: dict, submitted: Path, tiny_model: Path,
+                                                     corpus: dict) -> None:
+    before = (submitted / "metrics.jsonl").read_text()
+    proc = submit(slurm, "--nodes", "2", "--partition", "test", "--wait", *job_args(tiny_model, corpus, submitted))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f": {STEPS} steps, model in {submitted / 'final'}" in proc.stdout
+    job = re.search(r"submitted job (\d+)", proc.stdout).group(1)
+    assert job_fields(slurm, job)["JobState"] == "COMPLETED"
+    logs = task_logs(submitted / "submitit", job)
+    assert len(logs) == 2
+    for log in logs:  # every task: one line, no traceback
+        assert log.count(f"holds a finished run ({STEPS} steps): nothing to do") == 1 and "Traceback" not in log
+    assert (submitted / "metrics.jsonl").read_text() == before
+
+
+def test_bad_input_found_on_the_cluster_ends_every_task_with_one_line_and_exit_2(
+        slurm: dict, tiny_model: Path, corpus: dict, tmp_path: Path) -> None:
+    # only the model knows its maximum length (64): the flags pass the check before submission
+    out = tmp_path / "run"
+    proc = submit(slurm, "--nodes", "2", "--partition", "test", "--wait",
+                  *job_args(tiny_model, corpus, out), "--max_seq_length", "128")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    job = re.search(r"submitted job (\d+)", proc.stdout).group(1)
+    [line] = [line for line in proc.stderr.splitlines() if line.startswith("mlm_ddp.submit:")]
+    assert line.startswith(f"mlm_ddp.submit: job {job} stopped on bad input, on every task, not requeued: "
+                           "--max_seq_length 128 is above the model's maximum"), proc.stderr
+    fields = job_fields(slurm, job)
+    assert (fields["JobState"], fields["ExitCode"], fields["Restarts"]) == ("FAILED", "2:0", "0")
+    logs = task_logs(out / "submitit", job)
+    assert len(logs) == 2
+    for log in logs:
+        assert log.count("mlm_ddp.submit: error: --max_seq_length 128") == 1 and "Traceback" not in log
