@@ -14,10 +14,14 @@ Sharding, one way per kind of data, never twice (the loaders are not passed thro
   runs the same number of steps and the composition of each global batch, hence the loss curve, does
   not depend on how many processes share it.
 - streams: the raw texts are split before they are shuffled and tokenized (`shard_stream`). With a
-  number of shards (files) divisible by the world size each rank reads only its own shards;
-  otherwise every rank reads the whole raw stream and keeps one text in world_size
+  number of shards (files) divisible by the world size each rank reads only its own shards, the
+  same ones every epoch; when the shards are local files their sizes are known up front and the
+  files are dealt out by size (`balance_shards`), so the ranks' parts hold about as many bytes.
+  Otherwise every rank reads the whole raw stream and keeps one text in world_size
   (`stream_sharding`). Either way each rank tokenizes and packs only its own texts. Ranks'
-  streams end at different batches; `TrainFeed` makes all ranks end the epoch together.
+  streams end at different batches; `TrainFeed` makes all ranks end the epoch together, when the
+  first rank's part runs out: the rest of the other parts is not trained on in that epoch, and
+  `StreamEpochEnd` says how much that was.
 """
 
 from __future__ import annotations
@@ -26,15 +30,16 @@ import copy
 import itertools
 import logging
 import math
+import os
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pyarrow.compute as pc
 import torch
-from datasets import Dataset, DatasetDict, IterableDataset, IterableDatasetDict, load_dataset
+from datasets import Dataset, DatasetDict, IterableDataset, IterableDatasetDict, concatenate_datasets, load_dataset
 from datasets.distributed import split_dataset_by_node
 from torch.utils.data import DataLoader, Sampler
 
@@ -294,12 +299,129 @@ def stream_sharding(num_shards: int, world_size: int) -> str:
             f"split the data into a multiple of {world_size} files to read each text once")
 
 
+def naive_shards(num_shards: int, world_size: int) -> list[list[int]]:
+    """Shard indices per rank as `datasets` deals them (`IterableDataset.shard(..., contiguous=False)`,
+    what `split_dataset_by_node` does): rank r gets shards r, r + world_size, ... of the current order."""
+    return [list(range(rank, num_shards, world_size)) for rank in range(world_size)]
+
+
+def balance_shards(sizes: list[int], world_size: int) -> list[list[int]]:
+    """Pure: shard indices per rank, each rank `len(sizes) // world_size` of them, totals close.
+
+    Greedy, largest first: each shard goes to the rank with the smallest total that still has room.
+    Ranks keep equal shard counts so DataLoader workers share them as before. A heuristic can lose to
+    a lucky file order, so the naive deal (`naive_shards`) is kept when its largest total is no
+    larger: the result is never worse than it. Needs `len(sizes) % world_size == 0`.
+    """
+    if len(sizes) % world_size:
+        raise ValueError(f"{len(sizes)} shards do not divide over {world_size} ranks")
+    room = len(sizes) // world_size
+    parts: list[list[int]] = [[] for _ in range(world_size)]
+    totals = [0] * world_size
+    for index in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        rank = min((r for r in range(world_size) if len(parts[r]) < room), key=lambda r: (totals[r], r))
+        parts[rank].append(index)
+        totals[rank] += sizes[index]
+    naive = naive_shards(len(sizes), world_size)
+    if max(sum(sizes[i] for i in part) for part in naive) <= max(totals):
+        return naive
+    return [sorted(part) for part in parts]
+
+
+def _files_of(ds: IterableDataset) -> list[str] | None:
+    """The file behind each shard of a stream loaded from files (one file per shard), else None.
+
+    `datasets` has no public accessor: its file builders keep the shard files in the examples
+    iterable's `base_files`, under any skip/take wrappers. Anything else (an in-memory table, a
+    changed layout in another `datasets` version) gives None, and the stream is split as before.
+    """
+    ex_iterable: Any = ds._ex_iterable
+    while not hasattr(ex_iterable, "kwargs") and hasattr(ex_iterable, "ex_iterable"):
+        ex_iterable = ex_iterable.ex_iterable
+    files = getattr(ex_iterable, "kwargs", {}).get("base_files")
+    if not isinstance(files, list) or len(files) != ds.num_shards:
+        return None
+    if not all(isinstance(f, str) for f in files):
+        return None
+    return files
+
+
+def shard_sizes(ds: IterableDataset) -> list[int] | None:
+    """Bytes of each shard of a stream, when every shard is one local file (else None)."""
+    files = _files_of(ds)
+    if files is None or not all(os.path.isfile(f) for f in files):
+        return None
+    return [os.path.getsize(f) for f in files]
+
+
+@dataclass(frozen=True)
+class StreamSplit:
+    """How a raw stream is split over the ranks, known before anything is read.
+
+    kind: "whole" (one process), "files" (whole shards per rank), or "texts" (one text in
+    world_size per rank: every part holds the same number of texts, give or take one).
+    part_bytes: bytes of each rank's files, when they are local files; naive_bytes: the same for
+    `datasets`' own deal of the files, for comparison.
+    """
+
+    kind: str
+    world_size: int
+    shards: list[list[int]] | None = None
+    part_bytes: list[int] | None = None
+    naive_bytes: list[int] | None = None
+
+    def note(self) -> str:
+        """The expected balance of the parts, for the start-up log."""
+        if self.kind == "whole":
+            return "one part: nothing is left unread at an epoch end"
+        if self.kind == "texts":
+            return ("the parts hold the same number of texts (one apart at most); an epoch ends when the "
+                    "first part runs out, what is left of the others is reported then")
+        if self.part_bytes is None:
+            return ("the shards' sizes are unknown (not local files), so the parts may differ in size; an "
+                    "epoch ends when the first part runs out, what is left of the others is reported then")
+        total, smallest = sum(self.part_bytes), min(self.part_bytes)
+        left = 1.0 - smallest * self.world_size / total if total else 0.0
+        naive = "" if self.naive_bytes is None else (
+            f" (dealt by position, the largest part would be {_mb(max(self.naive_bytes))})")
+        return (f"files balanced by size, parts of {', '.join(_mb(b) for b in self.part_bytes)}{naive}; an "
+                f"epoch ends when the smallest part runs out, so about {left:.1%} of the bytes (the other "
+                "parts' ends) is left unread each epoch")
+
+
+def _mb(size: int) -> str:
+    return f"{size / 1e6:.1f} MB" if size >= 1e5 else f"{size} B"
+
+
+def plan_stream_split(ds: IterableDataset, world_size: int) -> StreamSplit:
+    """Which shards each rank reads (see `shard_stream`), and their bytes when known."""
+    sizes = shard_sizes(ds)
+    if world_size == 1:
+        return StreamSplit("whole", 1, [list(range(ds.num_shards))], None if sizes is None else [sum(sizes)])
+    if ds.num_shards % world_size:
+        return StreamSplit("texts", world_size)
+    if sizes is None:
+        return StreamSplit("files", world_size)
+    shards = balance_shards(sizes, world_size)
+    naive = naive_shards(len(sizes), world_size)
+    return StreamSplit("files", world_size, shards, [sum(sizes[i] for i in part) for part in shards],
+                       [sum(sizes[i] for i in part) for part in naive])
+
+
 def _is_mine(_example: dict, index: int, rank: int, world_size: int) -> bool:
     return index % world_size == rank
 
 
 def shard_stream(ds: IterableDataset, rank: int, world_size: int) -> IterableDataset:
     """This rank's part of a raw stream: whole shards when they divide evenly, else every n-th text.
+
+    Whole shards: when they are local files, the rank's files are picked by `balance_shards` and
+    joined in one stream, so each part holds about as many bytes, and the same files every epoch
+    (an epoch ends for everyone when the smallest part runs out; a part 10x larger than another
+    would otherwise be 90% unread, every epoch). Reordering the files before loading would not be
+    enough: `split_dataset_by_node` deals the shards after the per-epoch shard shuffle, so a rank's
+    files change every epoch. Shards of unknown size (remote files, in-memory tables) are dealt by
+    `split_dataset_by_node`.
 
     Not `split_dataset_by_node` in the uneven case: its example split is applied to the end of the
     pipeline, after `map`, so every rank would tokenize and pack every text. Filtering by position
@@ -310,7 +432,13 @@ def shard_stream(ds: IterableDataset, rank: int, world_size: int) -> IterableDat
     if world_size == 1:
         return ds
     if ds.num_shards % world_size == 0:
-        return split_dataset_by_node(ds, rank=rank, world_size=world_size)
+        split = plan_stream_split(ds, world_size)
+        if split.shards is None:
+            return split_dataset_by_node(ds, rank=rank, world_size=world_size)
+        # one single-file shard each, joined: skip/take wrappers split their count per file alike in
+        # the training and the held-out stream, so the two stay disjoint
+        return concatenate_datasets([ds.shard(num_shards=ds.num_shards, index=i, contiguous=True)
+                                     for i in split.shards[rank]])
     return ds.filter(_is_mine, with_indices=True, fn_kwargs={"rank": rank, "world_size": world_size})
 
 
@@ -324,19 +452,27 @@ class PackedStream(torch.utils.data.IterableDataset):
     blocks of it already yielded): a resume re-reads at most one chunk, never the stream from its
     start (datasets #5454), and yields exactly the blocks an uninterrupted run would have.
     Exact positions need `--dataloader_num_workers 0` (the state lives in this process).
+
+    It also counts what it read in the current epoch (`texts_read`, `text_bytes`, `blocks_read`;
+    kept in the position, so a resumed epoch counts on), which `TrainFeed` reports at the epoch end
+    beside `split` (how the raw stream was split) and `part_bytes` (this rank's file bytes, if known).
     """
 
-    def __init__(self, texts: IterableDataset, tokenizer: Any, cfg: DataConfig, seed: int) -> None:
+    def __init__(self, texts: IterableDataset, tokenizer: Any, cfg: DataConfig, seed: int,
+                 split: str = "whole", part_bytes: int | None = None) -> None:
         self.texts = texts.shuffle(seed=seed, buffer_size=1)  # shard order only
         self.tokenizer, self.cfg, self.seed = tokenizer, cfg, seed
+        self.split, self.part_bytes = split, part_bytes
         self.epoch = 0
         self.position: dict[str, Any] = {"epoch": 0, "source": None, "chunk": 0, "blocks": 0}
         self._resume: dict[str, Any] | None = None
         self.reread_texts = 0  # raw texts read a second time by the last resume (one chunk at most)
+        self.texts_read = self.text_bytes = self.blocks_read = 0  # this epoch, so far
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch, self._resume = epoch, None
         self.position = {"epoch": epoch, "source": None, "chunk": 0, "blocks": 0}
+        self.texts_read = self.text_bytes = self.blocks_read = 0
 
     def state_dict(self) -> dict[str, Any]:
         return copy.deepcopy(self.position)
@@ -360,21 +496,30 @@ class PackedStream(torch.utils.data.IterableDataset):
             finally:
                 quiet.setLevel(level)
             chunk, skip = self._resume["chunk"], self._resume["blocks"]
+            # counts up to the chunk being resumed (checkpoints older than these counts: from 0)
+            self.texts_read = self._resume.get("texts", 0)
+            self.text_bytes = self._resume.get("bytes", 0)
+            self.blocks_read = self._resume.get("epoch_blocks", 0)
         self._resume = None
         rows = iter(self.texts)
         column = self.cfg.text_column
         while True:
             source = self.texts.state_dict()  # before this chunk: where a resume starts reading
+            texts_before, bytes_before = self.texts_read, self.text_bytes
             texts = [row[column] for row in itertools.islice(rows, self.cfg.shuffle_buffer_size)]
             if not texts:
                 return
             if resuming:
                 self.reread_texts, resuming = len(texts), False
+            self.texts_read += len(texts)
+            self.text_bytes += sum(len(t.encode()) for t in texts if isinstance(t, str))
             order = np.random.default_rng([self.seed, self.epoch, chunk]).permutation(len(texts))
             packed = tokenize_and_pack([texts[i] for i in order], self.tokenizer, self.cfg.max_seq_length,
                                        with_word_continues=self.cfg.whole_word_mask)
             for k in range(skip, len(packed["input_ids"])):
-                self.position = {"epoch": self.epoch, "source": source, "chunk": chunk, "blocks": k + 1}
+                self.blocks_read += 1
+                self.position = {"epoch": self.epoch, "source": source, "chunk": chunk, "blocks": k + 1,
+                                 "texts": texts_before, "bytes": bytes_before, "epoch_blocks": self.blocks_read}
                 yield {key: values[k] for key, values in packed.items()}
             chunk, skip = chunk + 1, 0
 
@@ -389,10 +534,92 @@ def rank_dataset(raw: AnyDataset, tokenizer: Any, cfg: DataConfig, rank: int, wo
     data, i.e. shuffled), or the whole map-style split (which the samplers shard, so that every
     rank shares the one cached tokenization)."""
     if isinstance(raw, IterableDataset):
-        raw = shard_stream(raw, rank, world_size)
+        split = plan_stream_split(raw, world_size)
+        part = shard_stream(raw, rank, world_size)
         if shuffle_seed is not None:
-            return PackedStream(raw, tokenizer, cfg, shuffle_seed)
+            return PackedStream(part, tokenizer, cfg, shuffle_seed, split=split.kind,
+                                part_bytes=None if split.part_bytes is None else split.part_bytes[rank])
+        raw = part
     return tokenize_dataset(raw, tokenizer, cfg)
+
+
+@dataclass(frozen=True)
+class RankRead:
+    """What one rank's part gave in one stream epoch. None: not known here (a stream other than a
+    PackedStream, or one read in DataLoader workers; `part_bytes`: files of unknown size)."""
+
+    micro_batches: int  # trained and dropped
+    ended: bool  # this rank's part ran out (it read all of it)
+    texts: int | None = None  # raw texts read
+    blocks: int | None = None  # packed blocks read
+    text_bytes: int | None = None  # UTF-8 bytes of the texts read
+    part_bytes: int | None = None  # bytes of this rank's files
+
+    def to_list(self) -> list[float]:
+        """Fixed-length numbers for a gather (-1: unknown)."""
+        return [float(self.micro_batches), float(self.ended)] + [
+            -1.0 if v is None else float(v) for v in (self.texts, self.blocks, self.text_bytes, self.part_bytes)]
+
+    @classmethod
+    def from_list(cls, values: list[float]) -> RankRead:
+        known = [None if v < 0 else int(v) for v in values[2:]]
+        return cls(int(values[0]), bool(values[1]), *known)
+
+
+def unread_fractions(ranks: list[RankRead], split: str) -> list[float | None]:
+    """Pure: the share of each rank's part left unread when a stream epoch ended (None: unknown).
+
+    A part that ran out was read whole (0). The others are estimated from what the whole parts held:
+    - split "texts" (one text in world_size per rank): every part holds as many texts as a whole one,
+      give or take one, so the rest is 1 - texts read / texts of a whole part;
+    - split "files" with local file sizes: the whole parts give the text bytes per file byte (the
+      files' format overhead, assumed alike), so the rest is 1 - text bytes read / (that ratio x
+      this part's file bytes).
+    """
+    whole = [r for r in ranks if r.ended]
+    if split == "texts" and any(r.texts for r in whole):
+        part_texts = max(r.texts or 0 for r in whole)
+        read = [None if r.texts is None else r.texts / part_texts for r in ranks]
+    elif split == "files" and (pairs := [(r.text_bytes, r.part_bytes) for r in whole
+                                         if r.text_bytes is not None and r.part_bytes]):
+        per_file_byte = sum(a for a, _ in pairs) / sum(b for _, b in pairs)
+        read = [None if r.text_bytes is None or not r.part_bytes or not per_file_byte
+                else r.text_bytes / (per_file_byte * r.part_bytes) for r in ranks]
+    else:
+        read = [None] * len(ranks)
+    return [0.0 if r.ended else None if share is None else max(0.0, 1.0 - share)
+            for r, share in zip(ranks, read, strict=True)]
+
+
+@dataclass(frozen=True)
+class StreamEpochEnd:
+    """How a stream epoch ended: every rank's `RankRead`, from one gather."""
+
+    epoch: int
+    trained_batches: int  # micro-batches of full optimizer steps, the same on every rank
+    ranks: list[RankRead] = field(default_factory=list)
+    split: str = "whole"
+
+    def describe(self, dropped_so_far: int) -> str:
+        """The epoch-end log line (after "step N: ")."""
+        enders = [str(r) for r, read in enumerate(self.ranks) if read.ended]
+        who = f"rank {enders[0]}'s part" if len(enders) == 1 else f"the parts of ranks {', '.join(enders)}"
+        parts = []
+        for rank, (read, unread) in enumerate(zip(self.ranks, unread_fractions(self.ranks, self.split),
+                                                  strict=True)):
+            got = f"rank {rank} read {read.micro_batches} micro-batches"
+            if read.texts is not None:
+                got += f", {read.texts} texts, {read.blocks} blocks"
+            if read.ended:
+                got += ", all of its part"
+            elif unread is None:
+                got += ", unknown share of its part unread"
+            else:
+                got += f", about {unread:.0%} of its part unread"
+            parts.append(got)
+        return (f"epoch {self.epoch} of the stream ended on every rank after {self.trained_batches} "
+                f"micro-batches, when {who} ran out (micro-batches of partial steps dropped so far, rank 0: "
+                f"{dropped_so_far}); {'; '.join(parts)}")
 
 
 class TrainFeed:
@@ -404,13 +631,18 @@ class TrainFeed:
     one all-reduce (`any_rank`), drop their partial windows and start the next epoch together, so no
     rank waits in a collective for one that has run out (datasets #6623, #6437). The micro-batches
     of dropped partial windows are counted in `dropped_batches`; the rest of a longer shard is not
-    read in that epoch.
+    read in that epoch: at each epoch end one more collective (`gather`: every rank's numbers, in
+    rank order; None when this is the only process) collects what each rank read into
+    `last_epoch_end`. An epoch that ends before any rank filled one window can never train: all
+    ranks raise the same ConfigError there, instead of starting the next epoch forever.
     """
 
     def __init__(self, loader: DataLoader, collator: Any, accumulation: int, epoch: int, start: int,
-                 any_rank: Callable[[bool], bool], stream_state: dict[str, Any] | None = None) -> None:
+                 any_rank: Callable[[bool], bool], stream_state: dict[str, Any] | None = None,
+                 gather: Callable[[list[float]], list[list[float]]] | None = None) -> None:
         self.loader, self.collator, self.accumulation = loader, collator, accumulation
         self.any_rank = any_rank
+        self.gather = gather if gather is not None else (lambda values: [values])
         self.stream = is_stream(loader.dataset)
         # a PackedStream read in this process can say exactly where it is; anything else re-reads
         self.exact = isinstance(loader.dataset, PackedStream) and loader.num_workers == 0
@@ -419,6 +651,7 @@ class TrainFeed:
         self.epoch, self.index = epoch, start  # position of the next micro-batch
         self.dropped_batches = 0
         self.last_epoch_batches = 0  # micro-batches each rank trained on in the last stream epoch
+        self.last_epoch_end: StreamEpochEnd | None = None
         self._it: Iterator[Any] | None = None
 
     def _open(self) -> Iterator[Any]:
@@ -459,13 +692,26 @@ class TrainFeed:
             if not self.any_rank(len(window) < self.accumulation):
                 self.index += len(window)
                 return window
-            if self.index == 0 and not self.any_rank(len(window) > 0):
-                raise RuntimeError(f"epoch {self.epoch} of the training stream yields no full step "
-                                   "on any rank: give it more text or use fewer processes")
-            # some rank ran out: its epoch ends here, and so does everyone's
+            # some rank ran out: its epoch ends here, and so does everyone's (every rank is here)
+            end = self._epoch_end(len(window))
+            if self.index == 0:  # not one step in a whole epoch: the next epochs would end alike
+                raise ConfigError(too_small_for_a_step(end, self.accumulation, self.loader.batch_size))
             self.dropped_batches += len(window)
             self.last_epoch_batches = self.index
+            self.last_epoch_end = end
             self._next_epoch()
+
+    def _epoch_end(self, partial: int) -> StreamEpochEnd:
+        """Every rank's account of the epoch that just ended (a collective)."""
+        ds = self.loader.dataset
+        packed = ds if isinstance(ds, PackedStream) else None
+        mine = RankRead(self.index + partial, partial < self.accumulation,
+                        part_bytes=None if packed is None else packed.part_bytes)
+        if packed is not None and self.exact:  # its counters live in this process
+            mine = RankRead(mine.micro_batches, mine.ended, packed.texts_read, packed.blocks_read,
+                            packed.text_bytes, packed.part_bytes)
+        ranks = [RankRead.from_list(values) for values in self.gather(mine.to_list())]
+        return StreamEpochEnd(self.epoch, self.index, ranks, packed.split if packed else "whole")
 
     def stream_state(self) -> dict[str, Any] | None:
         """Where this rank's stream is, for a checkpoint (None: map-style, or not exact)."""
@@ -481,6 +727,20 @@ class TrainFeed:
         if self.batches_per_epoch is None:
             return float(self.epoch)
         return self.epoch + self.index / self.batches_per_epoch
+
+def too_small_for_a_step(end: StreamEpochEnd, accumulation: int, batch_size: int | None) -> str:
+    """The error when a whole stream epoch gave no rank a full optimizer step, with what to change."""
+    # a rank whose part did not run out stopped reading at a full window: it has that many or more
+    per_rank = ", ".join(f"rank {rank}: {r.micro_batches}{'' if r.ended else ' or more'}"
+                         for rank, r in enumerate(end.ranks))
+    fewest = min(r.micro_batches for r in end.ranks if r.ended)
+    fix = f"--gradient_accumulation_steps {fewest} or less, " if fewest else ""
+    return (f"the training stream is too small for one optimizer step: epoch {end.epoch} gave "
+            f"{per_rank} micro-batch(es) of --per_device_train_batch_size {batch_size} blocks, and every "
+            f"rank needs --gradient_accumulation_steps {accumulation} of them for a step, with "
+            f"{len(end.ranks)} process(es); every epoch would end before a step. Use {fix}a smaller "
+            "--per_device_train_batch_size, fewer processes, or more text")
+
 
 def _own_generator(seed: int) -> torch.Generator:
     """Each iter(DataLoader) draws a worker seed; from its own generator it leaves torch's global RNG

@@ -649,7 +649,7 @@ def _train(cfg: Config, stop: StopSignals) -> TrainResult:
     if mdata.is_stream(train_ds):
         total_steps = t.max_train_steps
         data_note = (f"streaming, tokenized on the fly; {mdata.stream_sharding(raw_train.num_shards, world)}; "
-                     "an epoch ends for all ranks when the first rank's part ends")
+                     f"{mdata.plan_stream_split(raw_train, world).note()}")
     else:
         sampler = train_dl.batch_sampler
         total_steps = t.max_train_steps or epoch_steps(t.num_train_epochs, sampler.batches_per_epoch, ga)
@@ -722,8 +722,13 @@ def _train(cfg: Config, stop: StopSignals) -> TrainResult:
         """True on every rank when `flag` is true on any rank (a collective)."""
         return accelerator.reduce(torch.tensor(float(flag), device=device), reduction="sum").item() > 0
 
+    def gather(values: list[float]) -> list[list[float]]:
+        """Every rank's `values` (the same length on every rank), in rank order (a collective)."""
+        return accelerator.gather(torch.tensor(values, dtype=torch.float64, device=device)).view(world, -1).tolist()
+
     stream_state = ckpt.read_data_state(resume_from, rank) if resume_from else None
-    feed = mdata.TrainFeed(train_dl, train_collator, ga, state.epoch, state.batch_in_epoch, any_rank, stream_state)
+    feed = mdata.TrainFeed(train_dl, train_collator, ga, state.epoch, state.batch_in_epoch, any_rank, stream_state,
+                           gather)
     sums = torch.zeros(3, dtype=torch.float64, device=device)  # since last log: loss, masked, input tokens
     tokens_base, tokens_local = state.tokens_seen, torch.zeros((), dtype=torch.float64, device=device)
 
@@ -747,9 +752,7 @@ def _train(cfg: Config, stop: StopSignals) -> TrainResult:
                         stream_state["epoch"], stream_state["chunk"], stream_state["blocks"],
                         train_ds.reread_texts, cfg.data.shuffle_buffer_size)
         if feed.stream and feed.epoch != epoch_before:
-            logger.info("step %d: epoch %d of the stream ended on every rank after %d micro-batches, when the "
-                        "first rank's part ran out (micro-batches of partial steps dropped so far, rank 0: %d)",
-                        step + 1, epoch_before, feed.last_epoch_batches, feed.dropped_batches)
+            logger.info("step %d: %s", step + 1, feed.last_epoch_end.describe(feed.dropped_batches))
         # one all-reduce per step: the masked tokens of the whole optimizer step (all ranks and
         # micro-batches; the loss is normalised by them) and whether any rank got a stop signal
         local = torch.stack([sum((b["labels"] != IGNORE_INDEX).sum() for b in micro).double(),

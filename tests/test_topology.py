@@ -7,6 +7,7 @@ import json
 import math
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -301,8 +302,63 @@ def test_uneven_stream_parts_end_every_epoch_together(tiny_model: Path, tmp_path
                                "--shuffle_buffer_size", "16", "--max_eval_samples", "8"))
     raw, _ = mdata.load_text(cfg.data, cfg.training.seed)
     part = mdata.rank_dataset(raw, AutoTokenizer.from_pretrained(tiny_model), cfg.data, 1, 2, shuffle_seed=42)
-    short = math.ceil(sum(1 for _ in part) / 8)  # micro-batches of 8 blocks in rank 1's part
+    blocks = sum(1 for _ in part)
+    short = math.ceil(blocks / 8)  # micro-batches of 8 blocks in rank 1's part
     assert [(int(s), int(e), int(n)) for s, e, n in ends] == [(short + 1, 0, short), (2 * short + 1, 1, short)]
+    # what each part gave in epoch 0: rank 1 all of its 80 texts; rank 0 one micro-batch more (its window of
+    # that step was full), the texts those blocks took, and the rest of its 80 texts left unread
+    assert "the parts hold the same number of texts (one apart at most)" in proc.stderr
+    longer = mdata.rank_dataset(raw, AutoTokenizer.from_pretrained(tiny_model), cfg.data, 0, 2, shuffle_seed=42)
+    longer.set_epoch(0)
+    for _ in zip(range((short + 1) * 8), longer, strict=False):
+        pass
+    unread = 1 - longer.texts_read / 80
+    assert unread > 0.3
+    assert (f"step {short + 1}: epoch 0 of the stream ended on every rank after {short} micro-batches, when rank 1's "
+            f"part ran out (micro-batches of partial steps dropped so far, rank 0: 1); rank 0 read {short + 1} "
+            f"micro-batches, {longer.texts_read} texts, {(short + 1) * 8} blocks, about {unread:.0%} of its part "
+            f"unread; rank 1 read {short} micro-batches, 80 texts, {blocks} blocks, all of its part") in proc.stderr
     records = read_metrics(out)
     assert [r["step"] for r in records if "loss" in r] == list(range(1, steps + 1))
     assert records[-1]["epoch"] == 2
+
+
+def test_a_stream_part_smaller_than_one_step_stops_every_rank_at_once(tiny_model: Path, corpus: dict,
+                                                                     tmp_path: Path) -> None:
+    # two files, one per rank: rank 1's gives 1 micro-batch of 8 blocks, a step needs 4 on every rank.
+    # Every rank used to drop its window and start the next epoch, forever (a livelock: the collectives
+    # all succeed, so no timeout fires)
+    paragraphs = corpus_paragraphs()
+    folder = tmp_path / "two_files"
+    folder.mkdir()
+    (folder / "a_big.jsonl").write_text("".join(json.dumps({"text": p}) + "\n" for p in paragraphs[:40]))
+    (folder / "b_small.jsonl").write_text("".join(json.dumps({"text": p}) + "\n" for p in paragraphs[40:43]))
+    sizes = [(folder / name).stat().st_size for name in ("a_big.jsonl", "b_small.jsonl")]
+    args = tiny_args(tiny_model, corpus, tmp_path / "run", "--streaming", "--max_train_steps", "3",
+                     "--gradient_accumulation_steps", "4", "--max_eval_samples", "2")
+    args = [a for i, a in enumerate(args) if a not in ("--train_file", "--validation_file")
+            and args[i - 1] not in ("--train_file", "--validation_file")]
+    # its own session: a livelocked run is killed whole (workers included) when the timeout fails the test
+    launch = subprocess.Popen(
+        [sys.executable, "-m", *LAUNCH, "--multi_gpu", "--num_processes", "2", "--num_cpu_threads_per_process", "1",
+         "--main_process_port", str(free_port()), "-m", "mlm_ddp.train", "--dataset_name", str(folder), *args],
+        cwd=REPO, env={**os.environ, "ACCELERATE_USE_CPU": "true", "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        _, stderr = launch.communicate(timeout=150)
+    except subprocess.TimeoutExpired:
+        os.killpg(launch.pid, signal.SIGKILL)
+        launch.communicate()
+        raise AssertionError("the run did not end within 150 s: every rank kept starting new epochs") from None
+    assert launch.returncode != 0
+    assert f"files balanced by size, parts of {sizes[0]} B, {sizes[1]} B" in stderr
+    errors = [line for line in stderr.splitlines() if line.startswith("mlm_ddp.train: error: ")]
+    # every rank raises it at the same step; the launcher stops the others once the first has exited
+    assert errors and len(set(errors)) == 1, stderr[-3000:]
+    assert errors[0] == (
+        "mlm_ddp.train: error: the training stream is too small for one optimizer step: epoch 0 gave rank 0: 4 or "
+        "more, rank 1: 1 micro-batch(es) of --per_device_train_batch_size 8 blocks, and every rank needs "
+        "--gradient_accumulation_steps 4 of them for a step, with 2 process(es); every epoch would end before a "
+        "step. Use --gradient_accumulation_steps 1 or less, a smaller --per_device_train_batch_size, fewer "
+        "processes, or more text")
+    assert "epoch 1" not in stderr  # it stopped in the first epoch
