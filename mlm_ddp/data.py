@@ -48,6 +48,9 @@ from mlm_ddp.config import ConfigError, DataConfig
 SUFFIX_BUILDERS = {".txt": "text", ".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
 EMBEDDED_CORPUS = "python-docs"
 STREAM_EVAL_TEXTS = 1000  # texts held out from a stream without a validation file
+# the first datasets release whose one-text shuffle buffer holds nothing between reads (PackedStream);
+# pyproject's floor, which tests/test_data.py checks against this
+STREAM_RESUME_DATASETS = (5, 1)
 AnyDataset = Dataset | IterableDataset
 
 
@@ -446,11 +449,14 @@ class PackedStream(torch.utils.data.IterableDataset):
     """This rank's training blocks from its part of a raw text stream, resumable exactly and cheaply.
 
     The texts are read in chunks of `chunk_texts`; each chunk is shuffled with a permutation seeded
-    by (seed, epoch, chunk number), then tokenized and packed (`tokenize_and_pack`). Shard order is
-    reshuffled every epoch by `datasets` (a one-text buffer, so nothing sits in a buffer between
-    reads). The position is (the source's `state_dict()` before the current chunk, the chunk number,
-    blocks of it already yielded): a resume re-reads at most one chunk, never the stream from its
-    start (datasets #5454), and yields exactly the blocks an uninterrupted run would have.
+    by (seed, epoch, chunk number), then tokenized and packed (`tokenize_and_pack`). The shards are
+    reshuffled every epoch by `datasets`' `shuffle` with a one-text buffer (from datasets 5.0 it also
+    interleaves up to 10 shards). From datasets 5.1 that buffer is empty between reads, so the
+    source's `state_dict()` names exactly the next text; before 5.1 it held one more text and every
+    resume skipped it (measured on 3.6 to 5.0.1), hence `STREAM_RESUME_DATASETS`. The position is
+    (the source's `state_dict()` before the current chunk, the chunk number, blocks of it already
+    yielded): a resume re-reads at most one chunk, never the stream from its start (datasets #5454),
+    and yields exactly the blocks an uninterrupted run would have.
     Exact positions need `--dataloader_num_workers 0` (the state lives in this process).
 
     It also counts what it read in the current epoch (`texts_read`, `text_bytes`, `blocks_read`;
@@ -460,7 +466,7 @@ class PackedStream(torch.utils.data.IterableDataset):
 
     def __init__(self, texts: IterableDataset, tokenizer: Any, cfg: DataConfig, seed: int,
                  split: str = "whole", part_bytes: int | None = None) -> None:
-        self.texts = texts.shuffle(seed=seed, buffer_size=1)  # shard order only
+        self.texts = texts.shuffle(seed=seed, buffer_size=1)  # the shards' order, not the texts'
         self.tokenizer, self.cfg, self.seed = tokenizer, cfg, seed
         self.split, self.part_bytes = split, part_bytes
         self.epoch = 0
@@ -522,6 +528,16 @@ class PackedStream(torch.utils.data.IterableDataset):
                                  "texts": texts_before, "bytes": bytes_before, "epoch_blocks": self.blocks_read}
                 yield {key: values[k] for key, values in packed.items()}
             chunk, skip = chunk + 1, 0
+
+
+def check_stream_resume(datasets_version: str) -> None:
+    """Refuse a stream resume that would silently skip texts (a datasets older than pyproject allows)."""
+    release = tuple(int(part) for part in datasets_version.split(".")[:2] if part.isdigit())
+    if release < STREAM_RESUME_DATASETS:
+        raise ConfigError(
+            f"resuming a --streaming run needs datasets >= {'.'.join(map(str, STREAM_RESUME_DATASETS))} "
+            f"(installed: {datasets_version}): older versions skip a text at every resume; upgrade datasets"
+        )
 
 
 def is_stream(ds: Any) -> bool:
@@ -653,6 +669,22 @@ class TrainFeed:
         self.last_epoch_batches = 0  # micro-batches each rank trained on in the last stream epoch
         self.last_epoch_end: StreamEpochEnd | None = None
         self._it: Iterator[Any] | None = None
+        self._primed: list[Any] | None = None  # a window read ahead by `prime`, and where it starts
+        self._primed_at: tuple[int, int, dict[str, Any] | None] = (epoch, start, None)
+
+    def prime(self) -> None:
+        """Read the next window now (for streams a collective, on every rank), so that a stream too
+        small for one optimizer step stops the run before it writes anything; `next_window` returns
+        this window first and `position` still says where it starts."""
+        self._primed_at = self.position()
+        self._primed = self.next_window()
+
+    def position(self) -> tuple[int, int, dict[str, Any] | None]:
+        """(epoch, micro-batch index, stream state) where the next window starts: what a checkpoint
+        taken before it resumes from."""
+        if self._primed is not None:
+            return self._primed_at
+        return self.epoch, self.index, self.stream_state()
 
     def _open(self) -> Iterator[Any]:
         if hasattr(self.collator, "set_epoch"):
@@ -675,6 +707,9 @@ class TrainFeed:
 
     def next_window(self) -> list[Any]:
         """The micro-batches of the next optimizer step on this rank (a collective for streams)."""
+        if self._primed is not None:
+            window, self._primed = self._primed, None
+            return window
         if not self.stream:
             window = []
             for _ in range(self.accumulation):

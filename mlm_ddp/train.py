@@ -17,12 +17,13 @@ import signal
 import sys
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import datasets
 import evaluate
 import torch
 import yaml
@@ -561,11 +562,11 @@ def forward_backward(accelerator: Accelerator, model: torch.nn.Module, micro: li
 def train(cfg: Config) -> TrainResult:
     """Fine-tune as `cfg` says. Raises ConfigError (bad input), Preempted (a stop signal: saved),
     NonFiniteLoss, CheckpointWriteError; `main` maps them to exit codes."""
-    with StopSignals(cfg.run.signal_names()) as stop:
-        return _train(cfg, stop)
+    with StopSignals(cfg.run.signal_names()) as stop, ExitStack() as on_exit:
+        return _train(cfg, stop, on_exit)
 
 
-def _train(cfg: Config, stop: StopSignals) -> TrainResult:
+def _train(cfg: Config, stop: StopSignals, on_exit: ExitStack) -> TrainResult:
     t0 = time.perf_counter()
     out = Path(cfg.run.output_dir)
     # --- 1. every input is checked before anything is written -------------------------------
@@ -585,6 +586,8 @@ def _train(cfg: Config, stop: StopSignals) -> TrainResult:
     accepted_changes: dict = {}
     if resume_from is not None:
         state, accepted_changes = ckpt.check_resume(resume_from, cfg.to_dict(), topo.world_size)
+        if cfg.data.streaming:
+            mdata.check_stream_resume(datasets.__version__)
         if plan.own_checkpoint and (out / "metrics.jsonl").exists():
             read_metrics_lines(out / "metrics.jsonl")  # a damaged line stops every rank here, not rank 0 later
     trackers = check_trackers(cfg)
@@ -618,19 +621,6 @@ def _train(cfg: Config, stop: StopSignals) -> TrainResult:
         logger.warning("the accelerate config asks for mixed precision %s; mlm_ddp trains with "
                        "--mixed_precision %s (training choices come from the mlm_ddp config: pass "
                        "--mixed_precision %s to use it)", asked, precision, asked)
-    if accelerator.is_main_process:
-        if plan.clear_earlier:
-            why = ("--overwrite_output_dir" if cfg.run.overwrite_output_dir else
-                   "--resume_from_checkpoint auto: an earlier attempt of this run saved no checkpoint")
-            logger.info("removing the earlier run's %s from %s (%s)", ", ".join(_earlier_outputs(out)), out, why)
-            for name in RUN_OUTPUTS:
-                target = out / name
-                if target.is_dir():
-                    shutil.rmtree(target)
-                elif target.exists():
-                    target.unlink()
-        out.mkdir(parents=True, exist_ok=True)
-    wait.barrier()
 
     with patient_main_process_first(accelerator, cfg.run.preprocessing_timeout):
         train_ds = mdata.rank_dataset(raw_train, tokenizer, cfg.data, rank, world, shuffle_seed=t.seed)
@@ -669,7 +659,35 @@ def _train(cfg: Config, stop: StopSignals) -> TrainResult:
     if resume_from is not None:
         restore(accelerator, resume_from, scheduler, accepted_changes)
         logger.info("resumed from %s at step %d", resume_from, state.step)
-    if accelerator.is_main_process:  # only now: a checkpoint that fails to load leaves the run as it was
+    device = accelerator.device
+    def any_rank(flag: bool) -> bool:
+        """True on every rank when `flag` is true on any rank (a collective)."""
+        return accelerator.reduce(torch.tensor(float(flag), device=device), reduction="sum").item() > 0
+
+    def gather(values: list[float]) -> list[list[float]]:
+        """Every rank's `values` (the same length on every rank), in rank order (a collective)."""
+        return accelerator.gather(torch.tensor(values, dtype=torch.float64, device=device)).view(world, -1).tolist()
+
+    stream_state = ckpt.read_data_state(resume_from, rank) if resume_from else None
+    feed = mdata.TrainFeed(train_dl, train_collator, ga, state.epoch, state.batch_in_epoch, any_rank, stream_state,
+                           gather)
+    if feed.stream:  # only reading tells whether a stream fills one step: before anything is written
+        feed.prime()
+    # the first write: every check passed, the checkpoint loaded and the stream fills a step
+    if accelerator.is_main_process:
+        if plan.clear_earlier:
+            why = ("--overwrite_output_dir" if cfg.run.overwrite_output_dir else
+                   "--resume_from_checkpoint auto: an earlier attempt of this run saved no checkpoint")
+            logger.info("removing the earlier run's %s from %s (%s)", ", ".join(_earlier_outputs(out)), out, why)
+            for name in RUN_OUTPUTS:
+                target = out / name
+                if target.is_dir():
+                    shutil.rmtree(target)
+                elif target.exists():
+                    target.unlink()
+        out.mkdir(parents=True, exist_ok=True)
+    wait.barrier()
+    if accelerator.is_main_process:
         ckpt.write_atomic(out / "config.yaml", cfg.to_yaml())
         (out / STOPPED_FILE).unlink(missing_ok=True)  # this run continues what stopped
         if plan.own_checkpoint and (aside := ckpt.set_aside_later(out, state.step)) is not None:
@@ -717,18 +735,6 @@ def _train(cfg: Config, stop: StopSignals) -> TrainResult:
             logger.info("eval before training: loss %.4f, perplexity %.2f, accuracy %.3f",
                         eval_before["loss"], eval_before["perplexity"], eval_before["accuracy"])
 
-    device = accelerator.device
-    def any_rank(flag: bool) -> bool:
-        """True on every rank when `flag` is true on any rank (a collective)."""
-        return accelerator.reduce(torch.tensor(float(flag), device=device), reduction="sum").item() > 0
-
-    def gather(values: list[float]) -> list[list[float]]:
-        """Every rank's `values` (the same length on every rank), in rank order (a collective)."""
-        return accelerator.gather(torch.tensor(values, dtype=torch.float64, device=device)).view(world, -1).tolist()
-
-    stream_state = ckpt.read_data_state(resume_from, rank) if resume_from else None
-    feed = mdata.TrainFeed(train_dl, train_collator, ga, state.epoch, state.batch_in_epoch, any_rank, stream_state,
-                           gather)
     sums = torch.zeros(3, dtype=torch.float64, device=device)  # since last log: loss, masked, input tokens
     tokens_base, tokens_local = state.tokens_seen, torch.zeros((), dtype=torch.float64, device=device)
 
@@ -736,15 +742,16 @@ def _train(cfg: Config, stop: StopSignals) -> TrainResult:
         """Input tokens trained on so far, all ranks (a collective: every rank calls it together)."""
         return int(tokens_base + accelerator.reduce(tokens_local.clone(), reduction="sum").item())
 
-    progress = tqdm(total=total_steps, initial=state.step, desc="training", unit="step",
-                    disable=not accelerator.is_main_process)
+    # closed however the run ends, so that an error message starts a line of its own
+    progress = on_exit.enter_context(tqdm(total=total_steps, initial=state.step, desc="training", unit="step",
+                                          disable=not accelerator.is_main_process))
     step, clock = state.step, TrainingClock()
     eval_after: dict[str, float] | None = None
     saved_step = state.step if resume_from else None  # newest complete checkpoint of this run
     skipped_steps = 0
     model.train()
     while step < total_steps:
-        epoch_before, index_before, stream_before = feed.epoch, feed.index, feed.stream_state()
+        epoch_before, index_before, stream_before = feed.position()
         micro = [mdata.to_device(b, device) for b in feed.next_window()]
         if stream_state is not None and step == state.step and feed.exact:
             logger.info("stream resumed at epoch %d, chunk %d, block %d: re-read %d raw text(s) to get there "

@@ -11,7 +11,7 @@ from transformers import AutoTokenizer
 from mlm_ddp import data as mdata
 from mlm_ddp.config import ConfigError, DataConfig
 from mlm_ddp.data import EpochBatchSampler, embedded_corpus, load_text, pack_stats, tokenize_and_pack, tokenize_dataset
-from tests.conftest import corpus_paragraphs
+from tests.conftest import REPO, corpus_paragraphs
 
 
 @pytest.fixture(scope="module")
@@ -279,3 +279,42 @@ def test_a_balanced_file_part_resumes_exactly_and_counts_on(unequal_files: Path,
     resumed.load_state_dict(first.state_dict())
     assert [b["input_ids"] for b in resumed] == blocks[23:]
     assert (resumed.texts_read, resumed.text_bytes, resumed.blocks_read) == counts == (60, counts[1], len(blocks))
+
+
+def test_the_datasets_floor_is_where_a_one_text_shuffle_buffer_resumes_exactly(tmp_path: Path) -> None:
+    """PackedStream's exact resume rests on this property of `datasets` (false before 5.1, where each
+    resume skipped one text): checked on the installed version, for in-memory and file streams, at
+    positions inside and across shards, and pinned in pyproject."""
+    import re
+
+    from datasets import load_dataset
+
+    from mlm_ddp.data import STREAM_RESUME_DATASETS, check_stream_resume
+
+    files = []
+    for i, lines in enumerate((20, 30, 25)):
+        files.append(tmp_path / f"part{i}.txt")
+        files[-1].write_text("".join(f"f{i}-{j}\n" for j in range(lines)))
+    sources = {
+        "memory": lambda: Dataset.from_dict({"text": [f"t{i}" for i in range(120)]}).to_iterable_dataset(num_shards=4),
+        "files": lambda: load_dataset("text", data_files=[str(f) for f in files], split="train", streaming=True),
+    }
+    for name, make in sources.items():
+        for epoch in (0, 2):
+            def stream(make=make, epoch=epoch):
+                ds = make().shuffle(seed=1, buffer_size=1)
+                ds.set_epoch(epoch)
+                return ds
+            whole = [row["text"] for row in stream()]
+            for k in (1, 19, 20, 21, 50, len(whole) - 1):
+                first = stream()
+                rows = iter(first)
+                head = [next(rows)["text"] for _ in range(k)]
+                resumed = stream()
+                resumed.load_state_dict(first.state_dict())
+                assert head + [row["text"] for row in resumed] == whole, (name, epoch, k)
+    floor = re.search(r'^\s*"datasets>=([\d.]+)"', (REPO / "pyproject.toml").read_text(), re.MULTILINE)
+    assert floor is not None and floor.group(1) == ".".join(map(str, STREAM_RESUME_DATASETS))
+    with pytest.raises(ConfigError, match=r"needs datasets >= 5.1 \(installed: 5.0.1\)"):
+        check_stream_resume("5.0.1")
+    check_stream_resume("5.1.0")
