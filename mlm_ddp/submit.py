@@ -65,9 +65,14 @@ class TrainTask:
             topo = dist.detect(cuda_devices=0)
             print(f"mlm_ddp.submit: {stop}", file=sys.stderr, flush=True)
             if topo.rank == 0 and "SLURM_JOB_ID" in os.environ:
-                subprocess.run(["scontrol", "requeue", os.environ["SLURM_JOB_ID"]], check=True, timeout=60)
-                print(f"mlm_ddp.submit: requeued job {os.environ['SLURM_JOB_ID']}", file=sys.stderr, flush=True)
-            # no result: Submitit must not record the job as done; the requeued run will finish it
+                if stop.signal_name == warning_signal():
+                    subprocess.run(["scontrol", "requeue", os.environ["SLURM_JOB_ID"]], check=True, timeout=60)
+                    print(f"mlm_ddp.submit: requeued job {os.environ['SLURM_JOB_ID']}", file=sys.stderr, flush=True)
+                else:  # scancel, or Slurm ending the job itself: the checkpoint is saved, the job ends
+                    print(f"mlm_ddp.submit: not requeued: {stop.signal_name or 'a signal on another task'} is not "
+                          f"the preemption warning ({warning_signal()}); resubmit the same command to continue",
+                          file=sys.stderr, flush=True)
+            # no result: Submitit must not record the job as done; a requeued or resubmitted run finishes it
             sys.exit(EXIT_REQUEUE)
 
     def checkpoint(self) -> Any:
@@ -75,6 +80,13 @@ class TrainTask:
         import submitit
 
         return submitit.helpers.DelayedSubmission(TrainTask(self.train_argv))
+
+
+def warning_signal() -> str:
+    """The signal Slurm sends ahead of a preemption or the time limit (`--signal`, as Submitit sets it)."""
+    from submitit.core.job_environment import JobEnvironment
+
+    return "SIG" + JobEnvironment.USR_SIG
 
 
 def record_failure(line: str) -> None:

@@ -62,7 +62,14 @@ EXIT_BAD_INPUT, EXIT_NONFINITE, EXIT_REQUEUE, EXIT_FAILED = 2, 3, 75, 1
 
 
 class Preempted(Exception):
-    """A stop signal arrived; every process saved the same checkpoint. Exit EXIT_REQUEUE."""
+    """A stop signal arrived; every process saved the same checkpoint. Exit EXIT_REQUEUE.
+
+    `signal_name` is the signal this process received (None: another process received one), so that a
+    launcher can requeue on its scheduler's warning signal only, never on a cancel's SIGTERM."""
+
+    def __init__(self, message: str, signal_name: str | None = None) -> None:
+        super().__init__(message)
+        self.signal_name = signal_name
 
 
 class NonFiniteLoss(Exception):
@@ -475,7 +482,7 @@ def preempt(accelerator: Accelerator, wait: MainProcessWait, cfg: Config, positi
             {"reason": reason, "step": position.step, "checkpoint": str(path), "exit_code": EXIT_REQUEUE}))
     wait.barrier()
     raise Preempted(f"stopped at step {position.step} on {reason}; checkpoint {path} saved. Requeue the job "
-                    "with --resume_from_checkpoint latest to continue")
+                    "with --resume_from_checkpoint latest to continue", signal_name)
 
 
 def restore(accelerator: Accelerator, path: Path, scheduler: Any, accepted_changes: dict) -> None:

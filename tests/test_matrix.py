@@ -84,6 +84,15 @@ def build_cases(tiny_model: Path, root: Path) -> list[Case]:
             "--learning_rate", "1e-3", "--logging_steps", "1", "--report", "false", "--cpu_threads", "1", *extra,
         ], out
 
+    def map_cases(prefix: str, procs: int, path: Path, batch: int, per_epoch: int) -> None:
+        """Accumulation 1..4 over EPOCHS epochs of `per_epoch` micro-batches, a checkpoint per epoch."""
+        for ga in range(1, 5):
+            argv, out = base(f"{prefix}-ga{ga}", path, batch, ga, "--num_train_epochs", str(EPOCHS),
+                             "--checkpointing_steps", "epoch")
+            steps = math.ceil(EPOCHS * per_epoch / ga)
+            cases.append(Case(out.name, procs, argv, out, steps=steps,
+                              checkpoints=epoch_checkpoints(steps, per_epoch, ga)))
+
     # map-style, one process: micro-batches per epoch 1..7 (batch 1) x accumulation 1..4, 2 epochs,
     # a checkpoint at each epoch end
     files: dict[int, Path] = {}
@@ -96,25 +105,14 @@ def build_cases(tiny_model: Path, root: Path) -> list[Case]:
             files[count].write_text("\n".join(lines) + "\n")
     assert sorted(files) == list(range(1, 8)), sorted(files)
     for per_epoch, path in sorted(files.items()):
-        for ga in range(1, 5):
-            argv, out = base(f"map-p1-b{per_epoch}-ga{ga}", path, 1, ga, "--num_train_epochs", str(EPOCHS),
-                             "--checkpointing_steps", "epoch")
-            steps = math.ceil(EPOCHS * per_epoch / ga)
-            cases.append(Case(out.name, 1, argv, out, steps=steps,
-                              checkpoints=epoch_checkpoints(steps, per_epoch, ga)))
+        map_cases(f"map-p1-b{per_epoch}", 1, path, 1, per_epoch)
 
     # map-style, two processes, batch 2: the last global batch is filled up by repeating blocks
     for size in (5, 13):
         lines = words_lines(size, 3)
         path = root / "data" / f"map2-{size}.txt"
         path.write_text("\n".join(lines) + "\n")
-        per_epoch = math.ceil(blocks(tokenizer, lines) / (2 * 2))
-        for ga in range(1, 5):
-            argv, out = base(f"map-p2-n{size}-ga{ga}", path, 2, ga, "--num_train_epochs", str(EPOCHS),
-                             "--checkpointing_steps", "epoch")
-            steps = math.ceil(EPOCHS * per_epoch / ga)
-            cases.append(Case(out.name, 2, argv, out, steps=steps,
-                              checkpoints=epoch_checkpoints(steps, per_epoch, ga)))
+        map_cases(f"map-p2-n{size}", 2, path, 2, math.ceil(blocks(tokenizer, lines) / (2 * 2)))
 
     # streams: one file (one shard), read in one chunk; with 2 processes rank r keeps texts r, r+2, ...
     # A rank whose part gives fewer micro-batches than a window can never fill a step: exit 2.
