@@ -666,6 +666,20 @@ def _train(cfg: Config, stop: StopSignals, on_exit: ExitStack) -> TrainResult:
     if resume_from is not None:
         restore(accelerator, resume_from, scheduler, accepted_changes)
         logger.info("resumed from %s at step %d", resume_from, state.step)
+    logger.info("topology: %d process(es) on %d node(s), %s, started by %s (master %s:%s); global batch "
+                "%d = %d per device x %d processes x %d accumulation; precision %s; device %s (%d threads)",
+                world, topo.num_nodes, accelerator.distributed_type, topo.launcher, topo.master_addr or "-",
+                topo.master_port or "-", t.per_device_train_batch_size * world * ga,
+                t.per_device_train_batch_size, world, ga,
+                precision + (" (auto)" if t.mixed_precision == "auto" else ""), accelerator.device,
+                torch.get_num_threads())
+    logger.info("data: %s; %d optimizer steps", data_note, total_steps)
+    inner = accelerator.unwrap_model(model).model
+    logger.info("model: %s, %.1fM parameters; MLM head on %s positions; attention %s; AdamW %s; torch.compile %s",
+                type(inner).__name__, sum(p.numel() for p in inner.parameters()) / 1e6,
+                "masked" if accelerator.unwrap_model(model).masked_only else "all",
+                inner.config._attn_implementation, t.optimizer_impl, "on" if t.torch_compile else "off")
+
     device = accelerator.device
     def any_rank(flag: bool) -> bool:
         """True on every rank when `flag` is true on any rank (a collective)."""
@@ -712,20 +726,6 @@ def _train(cfg: Config, stop: StopSignals, on_exit: ExitStack) -> TrainResult:
         accelerator.init_trackers(TRACKING_PROJECT, init_kwargs=tracker_kwargs(out, trackers),
                                   config={k: v for s in cfg.to_dict().values() for k, v in s.items()
                                           if isinstance(v, (int, float, str, bool))})
-
-    logger.info("topology: %d process(es) on %d node(s), %s, started by %s (master %s:%s); global batch "
-                "%d = %d per device x %d processes x %d accumulation; precision %s; device %s (%d threads)",
-                world, topo.num_nodes, accelerator.distributed_type, topo.launcher, topo.master_addr or "-",
-                topo.master_port or "-", t.per_device_train_batch_size * world * ga,
-                t.per_device_train_batch_size, world, ga,
-                precision + (" (auto)" if t.mixed_precision == "auto" else ""), accelerator.device,
-                torch.get_num_threads())
-    logger.info("data: %s; %d optimizer steps", data_note, total_steps)
-    inner = accelerator.unwrap_model(model).model
-    logger.info("model: %s, %.1fM parameters; MLM head on %s positions; attention %s; AdamW %s; torch.compile %s",
-                type(inner).__name__, sum(p.numel() for p in inner.parameters()) / 1e6,
-                "masked" if accelerator.unwrap_model(model).masked_only else "all",
-                inner.config._attn_implementation, t.optimizer_impl, "on" if t.torch_compile else "off")
 
     def log_record(record: dict[str, Any]) -> None:
         metrics.write(record)

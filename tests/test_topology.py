@@ -362,3 +362,4 @@ def test_a_stream_part_smaller_than_one_step_stops_every_rank_at_once(tiny_model
         "step. Use --gradient_accumulation_steps 1 or less, a smaller --per_device_train_batch_size, fewer "
         "processes, or more text")
     assert "epoch 1" not in stderr  # it stopped in the first epoch
+    assert not (tmp_path / "run" / "config.yaml").exists()  # before anything was written
