@@ -123,6 +123,40 @@ def task_logs(job_dir: Path, job: str) -> list[str]:
     return [p.read_text() for p in sorted((job_dir / job).glob("*_log.err"))]
 
 
+def test_scancel_saves_a_checkpoint_and_is_not_requeued(slurm: dict, tiny_model: Path, corpus: dict,
+                                                        tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    args = ["--nodes", "2", "--partition", "test", *job_args(tiny_model, corpus, out)]
+    proc = submit(slurm, *args)
+    assert proc.returncode == 0, proc.stderr
+    job = re.search(r"submitted job (\d+)", proc.stdout).group(1)
+    wait_for(lambda: last_step(out) >= 3, 180, "step 3 of the job")
+    subprocess.run(["scancel", job], env=slurm, check=True)  # as a user cancels: SIGTERM to every task
+    # rank 0 ends with what it decided: not requeued (or, as before, requeued, or a traceback)
+    wait_for(lambda: any(s in (task_logs(out / "submitit", job) or [""])[0]
+                         for s in ("not requeued", "requeued job", "Traceback")), 120, f"rank 0 of job {job} to end")
+    wait_done(slurm, job, 120)
+    fields, logs = job_fields(slurm, job), task_logs(out / "submitit", job)
+    assert (fields["JobState"], fields["Restarts"]) == ("CANCELLED", "0"), fields
+    assert len(logs) == 2 and not any("Traceback" in log for log in logs), "\n".join(logs)
+    stopped = re.findall(r"stopped at step (\d+) on signal SIGTERM", "\n".join(logs))
+    assert len(stopped) == 2 and len(set(stopped)) == 1  # both ranks, the same step
+    assert logs[0].count("mlm_ddp.submit: not requeued: SIGTERM is not the preemption warning (SIGUSR2); "
+                         "resubmit the same command to continue") == 1
+    assert "requeued job" not in logs[0]
+    record = json.loads((out / "stopped.json").read_text())
+    assert (record["reason"], record["step"]) == ("signal SIGTERM", int(stopped[0]))
+    assert (Path(record["checkpoint"]) / "COMPLETE").is_file()
+    # the same command again continues from that checkpoint and finishes
+    proc = submit(slurm, *args, "--wait")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f": {STEPS} steps" in proc.stdout
+    again = re.search(r"submitted job (\d+)", proc.stdout).group(1)
+    assert re.search(r"resumed from .*step-0*" + stopped[0] + r"\b", task_logs(out / "submitit", again)[0])
+    assert [r["step"] for r in read_metrics(out) if "loss" in r] == list(range(1, STEPS + 1))
+    assert job_fields(slurm, job)["Restarts"] == "0"  # and the cancelled job never came back meanwhile
+
+
 def test_a_finished_run_submitted_again_is_a_success(slurm: dict, submitted: Path, tiny_model: Path,
                                                      corpus: dict) -> None:
     before = (submitted / "metrics.jsonl").read_text()
