@@ -36,7 +36,8 @@ RESUMABLE_CHANGES = {
     "run.report_to", "run.report", "run.stop_signals", "run.ddp_timeout", "run.preprocessing_timeout",
     "run.save_timeout", "run.on_nonfinite_loss", "training.max_train_steps", "training.num_train_epochs",
     "training.cpu_threads",
-    "data.preprocessing_num_workers", "model.mlm_head", "training.optimizer_impl", "training.torch_compile",
+    "data.preprocessing_num_workers", "model.mlm_head", "model.fsdp_wrap_classes", "training.optimizer_impl",
+    "training.torch_compile",
 }
 SAFE_LOADING_TORCH = (2, 4)  # pyproject's torch floor; tests/test_reliability.py checks they agree
 _STEP_DIR = re.compile(r"^step-(\d{7,})$")

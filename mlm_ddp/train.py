@@ -42,11 +42,14 @@ from mlm_ddp.masking import EVAL_SPLIT, IGNORE_INDEX, TRAIN_SPLIT, MaskingCollat
 from mlm_ddp.model import (
     MLM_HEAD_ATTRIBUTES,
     MaskedLMLoss,
+    check_tied,
+    fsdp_wrap_classes,
     inner_state_dict,
     load_model,
     load_model_config,
     load_tokenizer,
     max_positions,
+    tied_parameters,
 )
 from mlm_ddp.report import write_report
 
@@ -541,6 +544,24 @@ def wrap_model(cfg: Config, transformers_model: torch.nn.Module) -> MaskedLMLoss
     return model
 
 
+def configure_fsdp_units(accelerator: Accelerator, cfg: Config, inner: torch.nn.Module) -> None:
+    """Tell accelerate's FSDP2 plugin which module classes become FSDP units: --fsdp_wrap_classes, or
+    the accelerate config's fsdp_transformer_layer_cls_to_wrap, else taken from the model; classes
+    that would split a tied parameter from its partner stay in the root unit."""
+    from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+
+    plugin = accelerator.state.fsdp_plugin
+    if plugin.auto_wrap_policy is not transformer_auto_wrap_policy:
+        logger.info("FSDP auto-wrap policy %s: --fsdp_wrap_classes is not used", plugin.auto_wrap_policy)
+        return
+    asked = cfg.model.fsdp_wrap_classes or ",".join(plugin.transformer_cls_names_to_wrap or [])
+    wrap, held = fsdp_wrap_classes(inner, asked or None)
+    plugin.transformer_cls_names_to_wrap = wrap
+    logger.info("FSDP units: each %s (%s); the root unit holds the rest%s", " / ".join(wrap) or "nothing",
+                f"--fsdp_wrap_classes {asked}" if asked else "taken from the model",
+                f", including {', '.join(held)}, which holds a parameter tied to the MLM head" if held else "")
+
+
 def epoch_steps(epochs: float, batches_per_epoch: int, accumulation: int) -> int:
     """Optimizer steps of `epochs` epochs: every micro-batch of them is trained on. When accumulation
     does not divide the epochs' micro-batches, the last step is filled with the first micro-batches of
@@ -604,7 +625,9 @@ def _train(cfg: Config, stop: StopSignals, on_exit: ExitStack) -> TrainResult:
     t = cfg.training
     dist.export_for_accelerate(topo)
     precision = dist.resolve_precision(t.mixed_precision, cuda=bool(topo.cuda_devices))
+    fsdp_plugin = dist.fsdp_plugin_from_launcher()
     accelerator = Accelerator(
+        fsdp_plugin=fsdp_plugin,
         cpu=not topo.cuda_devices,  # else a CPU process started by torchrun or srun trains alone
         mixed_precision=precision,  # from our config, so every launcher trains alike
         gradient_accumulation_plugin=GradientAccumulationPlugin(
@@ -614,6 +637,9 @@ def _train(cfg: Config, stop: StopSignals, on_exit: ExitStack) -> TrainResult:
         log_with=trackers or None,
         project_dir=str(out / "logs"),  # TensorBoard writes into logs/<TRACKING_PROJECT>/
     )
+    if dist.keep_fsdp_on_cpu(accelerator, fsdp_plugin, precision):
+        logger.info("FSDP on CPU processes: the accelerate config asks for FSDP, which accelerate would run as "
+                    "DDP on a CPU; mlm_ddp keeps its FSDP2 plugin (gloo)")
     dist.check_accelerator(topo, accelerator.num_processes, str(accelerator.distributed_type))
     rank, world = accelerator.process_index, accelerator.num_processes
     wait = MainProcessWait(accelerator, cfg.run.save_timeout)
@@ -662,7 +688,11 @@ def _train(cfg: Config, stop: StopSignals, on_exit: ExitStack) -> TrainResult:
     scheduler = get_scheduler(t.lr_scheduler_type, optimizer, num_warmup_steps=t.num_warmup_steps,
                               num_training_steps=total_steps)
     # the scheduler is stepped by us once per optimizer step: not prepared, saved as JSON
+    ties = tied_parameters(model.model)
+    if sharded(accelerator):
+        configure_fsdp_units(accelerator, cfg, model.model)
     model, optimizer = accelerator.prepare(model, optimizer)
+    check_tied(accelerator.unwrap_model(model).model, ties)
     if resume_from is not None:
         restore(accelerator, resume_from, scheduler, accepted_changes)
         logger.info("resumed from %s at step %d", resume_from, state.step)
