@@ -544,6 +544,18 @@ def wrap_model(cfg: Config, transformers_model: torch.nn.Module) -> MaskedLMLoss
     return model
 
 
+def check_fsdp_plugin(plugin: Any) -> None:
+    """Refuse FSDP settings whose checkpoints mlm_ddp cannot validate and resume."""
+    if plugin is None:
+        return
+    from torch.distributed.fsdp import StateDictType
+
+    if plugin.state_dict_type != StateDictType.SHARDED_STATE_DICT:
+        raise ConfigError(f"fsdp_state_dict_type {plugin.state_dict_type.name}: mlm_ddp checkpoints FSDP runs with "
+                          "SHARDED_STATE_DICT (each rank writes its shard; final/ is written whole either way); set "
+                          "fsdp_state_dict_type: SHARDED_STATE_DICT in the accelerate config")
+
+
 def configure_fsdp_units(accelerator: Accelerator, cfg: Config, inner: torch.nn.Module) -> None:
     """Tell accelerate's FSDP2 plugin which module classes become FSDP units: --fsdp_wrap_classes, or
     the accelerate config's fsdp_transformer_layer_cls_to_wrap, else taken from the model; classes
@@ -608,12 +620,15 @@ def _train(cfg: Config, stop: StopSignals, on_exit: ExitStack) -> TrainResult:
         raise ConfigError(f"the tokenizer has {len(tokenizer)} tokens but the model's vocabulary only "
                           f"{model_config.vocab_size}; pass the model's own tokenizer")
     topo = dist.detect()
+    fsdp_plugin = dist.fsdp_plugin_from_launcher()
+    check_fsdp_plugin(fsdp_plugin)
     plan = check_output_dir(cfg)
     resume_from = plan.resume_from
     state = ckpt.TrainerState(step=0, epoch=0, batch_in_epoch=0, tokens_seen=0, world_size=topo.world_size)
     accepted_changes: dict = {}
     if resume_from is not None:
-        state, accepted_changes = ckpt.check_resume(resume_from, cfg.to_dict(), topo.world_size)
+        state, accepted_changes = ckpt.check_resume(resume_from, cfg.to_dict(), topo.world_size,
+                                                    sharded=fsdp_plugin is not None)
         if cfg.data.streaming:
             mdata.check_stream_resume(datasets.__version__)
         if plan.own_checkpoint and (out / "metrics.jsonl").exists():
@@ -625,7 +640,6 @@ def _train(cfg: Config, stop: StopSignals, on_exit: ExitStack) -> TrainResult:
     t = cfg.training
     dist.export_for_accelerate(topo)
     precision = dist.resolve_precision(t.mixed_precision, cuda=bool(topo.cuda_devices))
-    fsdp_plugin = dist.fsdp_plugin_from_launcher()
     accelerator = Accelerator(
         fsdp_plugin=fsdp_plugin,
         cpu=not topo.cuda_devices,  # else a CPU process started by torchrun or srun trains alone
@@ -689,6 +703,7 @@ def _train(cfg: Config, stop: StopSignals, on_exit: ExitStack) -> TrainResult:
                               num_training_steps=total_steps)
     # the scheduler is stepped by us once per optimizer step: not prepared, saved as JSON
     ties = tied_parameters(model.model)
+    n_params = sum(p.numel() for p in model.model.parameters())  # before FSDP leaves each rank its shard
     if sharded(accelerator):
         configure_fsdp_units(accelerator, cfg, model.model)
     model, optimizer = accelerator.prepare(model, optimizer)
@@ -753,7 +768,7 @@ def _train(cfg: Config, stop: StopSignals, on_exit: ExitStack) -> TrainResult:
     logger.info("data: %s; %d optimizer steps", data_note, total_steps)
     inner = accelerator.unwrap_model(model).model
     logger.info("model: %s, %.1fM parameters; MLM head on %s positions; attention %s; AdamW %s; torch.compile %s",
-                type(inner).__name__, sum(p.numel() for p in inner.parameters()) / 1e6,
+                type(inner).__name__, n_params / 1e6,
                 "masked" if accelerator.unwrap_model(model).masked_only else "all",
                 inner.config._attn_implementation, t.optimizer_impl, "on" if t.torch_compile else "off")
 
