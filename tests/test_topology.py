@@ -71,7 +71,10 @@ def test_every_accelerate_config_loads_and_describes_topology_only(name: str) ->
     header = [line for line in path.read_text().splitlines() if line.startswith("#")]
     assert any(f"accelerate launch --config_file accelerate_configs/{name}" in line for line in header)
     if kind == DistributedType.FSDP:
-        assert config.fsdp_config["fsdp_transformer_layer_cls_to_wrap"] == "BertLayer"
+        # the wrap class is the model's (or --fsdp_wrap_classes), so any BERT family trains with it
+        assert "fsdp_transformer_layer_cls_to_wrap" not in config.fsdp_config
+        assert config.fsdp_config["fsdp_version"] == 2
+        assert config.fsdp_config["fsdp_state_dict_type"] == "SHARDED_STATE_DICT"
     if name == "multi_node.yaml":
         assert config.num_machines > 1 and not config.same_network
 
