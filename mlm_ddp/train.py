@@ -544,11 +544,15 @@ def wrap_model(cfg: Config, transformers_model: torch.nn.Module) -> MaskedLMLoss
     return model
 
 
-def check_fsdp_plugin(plugin: Any) -> None:
-    """Refuse FSDP settings whose checkpoints mlm_ddp cannot validate and resume."""
+def check_fsdp_plugin(plugin: Any, cuda: bool) -> None:
+    """Refuse FSDP settings that cannot run here, or whose checkpoints mlm_ddp cannot validate and resume."""
     if plugin is None:
         return
     from torch.distributed.fsdp import StateDictType
+
+    if plugin.fsdp_version != 2 and not cuda:
+        raise ConfigError(f"fsdp_version {plugin.fsdp_version} on CPU processes: only FSDP2 runs over gloo; set "
+                          "fsdp_version: 2 in the accelerate config (accelerate_configs/fsdp.yaml does)")
 
     if plugin.state_dict_type != StateDictType.SHARDED_STATE_DICT:
         raise ConfigError(f"fsdp_state_dict_type {plugin.state_dict_type.name}: mlm_ddp checkpoints FSDP runs with "
@@ -621,7 +625,7 @@ def _train(cfg: Config, stop: StopSignals, on_exit: ExitStack) -> TrainResult:
                           f"{model_config.vocab_size}; pass the model's own tokenizer")
     topo = dist.detect()
     fsdp_plugin = dist.fsdp_plugin_from_launcher()
-    check_fsdp_plugin(fsdp_plugin)
+    check_fsdp_plugin(fsdp_plugin, cuda=bool(topo.cuda_devices))
     plan = check_output_dir(cfg)
     resume_from = plan.resume_from
     state = ckpt.TrainerState(step=0, epoch=0, batch_in_epoch=0, tokens_seen=0, world_size=topo.world_size)

@@ -121,6 +121,11 @@ def test_a_group_whose_processes_train_alone_is_refused() -> None:
         dist.check_accelerator(topo, 1, "DistributedType.NO")
 
 
+def test_the_fsdp_plugin_is_built_from_the_launcher_only_when_asked() -> None:
+    assert dist.fsdp_plugin_from_launcher({}) is None
+    assert dist.fsdp_plugin_from_launcher({"ACCELERATE_USE_FSDP": "false"}) is None
+
+
 def test_launcher_precision_is_read_but_only_when_asked() -> None:
     assert dist.launcher_precision({"ACCELERATE_MIXED_PRECISION": "no"}) is None
     assert dist.launcher_precision({"ACCELERATE_MIXED_PRECISION": "bf16"}) == "bf16"
