@@ -1,7 +1,8 @@
 """Checkpoint folders: written whole or not at all, found newest-complete-first.
 
 Layout: `output_dir/checkpoints/step-0000500/` holding accelerate's `save_state` files (model in
-safetensors, optimizer, RNG states of every rank; all loaded with `weights_only=True`),
+safetensors, optimizer, RNG states of every rank; all loaded with `weights_only=True`; under FSDP the
+model and optimizer are sharded folders, `pytorch_model_fsdp_0/` and `optimizer_0/`),
 `scheduler.json`, `trainer_state.json` (counters and data position), `config.yaml` (the resolved
 config of the run) and, written last, the marker `COMPLETE`. A save goes to `.tmp-step-*` first, is
 fsynced, and is renamed into place only when complete, so a crash mid-save never leaves a folder
@@ -12,11 +13,13 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import re
 import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -36,9 +39,16 @@ RESUMABLE_CHANGES = {
     "run.report_to", "run.report", "run.stop_signals", "run.ddp_timeout", "run.preprocessing_timeout",
     "run.save_timeout", "run.on_nonfinite_loss", "training.max_train_steps", "training.num_train_epochs",
     "training.cpu_threads",
-    "data.preprocessing_num_workers", "model.mlm_head", "training.optimizer_impl", "training.torch_compile",
+    "data.preprocessing_num_workers", "model.mlm_head", "model.fsdp_wrap_classes", "training.optimizer_impl",
+    "training.torch_compile",
 }
 SAFE_LOADING_TORCH = (2, 4)  # pyproject's torch floor; tests/test_reliability.py checks they agree
+# FSDP with SHARDED_STATE_DICT: accelerate's folders for model 0 and optimizer 0, each a
+# torch.distributed.checkpoint folder
+SHARDED_DIRS = ("pytorch_model_fsdp_0", "optimizer_0")
+DCP_METADATA = ".metadata"
+DCP_METADATA_GLOBALS = {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("pathlib", "PosixPath"),
+                        ("torch.serialization", "_get_layout")}
 _STEP_DIR = re.compile(r"^step-(\d{7,})$")
 
 
@@ -153,7 +163,42 @@ def check_safe_loading(torch_version: str) -> None:
         )
 
 
-def check_resume(path: Path, current: dict, world_size: int) -> tuple[TrainerState, dict]:
+def state_files(world_size: int, sharded: bool) -> list[str]:
+    """The model and optimizer files of a complete checkpoint. DDP: accelerate's safetensors and
+    optimizer.bin. FSDP (SHARDED_STATE_DICT): one torch.distributed.checkpoint folder each for the model
+    and the optimizer, with its metadata and one shard file per rank."""
+    if not sharded:
+        return ["model.safetensors", "optimizer.bin"]
+    return [f"{folder}/{name}" for folder in SHARDED_DIRS
+            for name in (DCP_METADATA, *(f"__{rank}_0.distcp" for rank in range(world_size)))]
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """torch.distributed.checkpoint's `.metadata` is a pickle that torch unpickles without restriction
+    (its shard files it loads with weights_only=True): allow only the classes such metadata holds."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        import torch
+
+        allowed = (module, name) in DCP_METADATA_GLOBALS or module == "torch.distributed.checkpoint.metadata" or (
+            module == "torch" and (name == "Size" or isinstance(getattr(torch, name, None), torch.dtype)))
+        if not allowed:
+            raise pickle.UnpicklingError(f"{module}.{name} is not part of checkpoint metadata")
+        return super().find_class(module, name)
+
+
+def check_dcp_metadata(path: Path) -> None:
+    """Refuse a sharded checkpoint whose metadata would run code, or is not metadata, before torch loads it."""
+    try:
+        with open(path, "rb") as handle:
+            _MetadataUnpickler(handle).load()
+    except Exception as err:  # noqa: BLE001 - UnpicklingError, EOFError, ValueError...
+        raise ConfigError(f"{path}: refused ({type(err).__name__}: {err}); the sharded checkpoint is damaged or "
+                          "not written by mlm_ddp") from err
+
+
+def check_resume(path: Path, current: dict, world_size: int,
+                 sharded: bool = False) -> tuple[TrainerState, dict]:
     """The state to continue from, after checking that this run may continue it; also returns the
     accepted config changes (to be logged). Refusals name what differs."""
     import torch
@@ -166,12 +211,22 @@ def check_resume(path: Path, current: dict, world_size: int) -> tuple[TrainerSta
             f"process's RNG state and data position are saved, so resume with {state.world_size} "
             "process(es) (and the same per-device batch)"
         )
-    expected = [STATE_FILE, SCHEDULER_FILE, "config.yaml", "model.safetensors", "optimizer.bin",
+    written_sharded = (path / SHARDED_DIRS[0]).is_dir()
+    if written_sharded != sharded:
+        raise ConfigError(
+            f"{path} was written by a{'n FSDP' if written_sharded else ' DDP'} run (sharded state) and this run "
+            f"{'shards the model with FSDP' if sharded else 'does not shard the model'}: resume it with the "
+            "accelerate config that wrote it"
+        )
+    expected = [STATE_FILE, SCHEDULER_FILE, "config.yaml", *state_files(world_size, sharded),
                 *(f"random_states_{rank}.pkl" for rank in range(world_size))]
     missing = [name for name in expected if not (path / name).is_file()]
     if missing:
         raise ConfigError(f"{path}: not a checkpoint of this mlm_ddp version, or damaged: missing "
                           f"{', '.join(missing)}")
+    if sharded:
+        for folder in SHARDED_DIRS:
+            check_dcp_metadata(path / folder / DCP_METADATA)
     try:
         saved = yaml.safe_load((path / "config.yaml").read_text())
     except yaml.YAMLError as err:

@@ -58,6 +58,13 @@ class ModelConfig:
         "'all' positions as transformers' *ForMaskedLM does.",
         default="masked",
     )
+    fsdp_wrap_classes: str | None = _doc(
+        "FSDP only: comma-separated module classes that each become one FSDP unit, e.g. 'BertLayer'. "
+        "Default: the model's own `_no_split_modules`, else the class of its repeated encoder layers. "
+        "A class holding one end of a tied parameter (the word embeddings, shared with the MLM decoder) "
+        "is never wrapped: it stays in the root unit together with the head.",
+        default=None,
+    )
 
     def __post_init__(self) -> None:
         if self.config_overrides is not None:

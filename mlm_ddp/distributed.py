@@ -16,6 +16,7 @@ import sys
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 # Slurm gives every job an id; all nodes of a job derive the same rendezvous port from it, so two jobs
 # sharing a node do not collide. Below the Linux ephemeral range (32768+), which outgoing sockets use.
@@ -172,6 +173,43 @@ def check_accelerator(topo: Topology, num_processes: int, distributed_type: str)
             f"{num_processes} ({distributed_type}); every process would train alone on the same data. "
             "Run `python -m mlm_ddp.distributed` under the same launcher to see why."
         )
+
+
+def fsdp_plugin_from_launcher(env: Mapping[str, str] | None = None) -> Any:
+    """The FSDP plugin an `accelerate launch` FSDP config asked for (ACCELERATE_USE_FSDP and the FSDP_*
+    variables), built here so that mlm_ddp can keep it on a CPU; None when FSDP was not asked for."""
+    env = os.environ if env is None else env
+    if env.get("ACCELERATE_USE_FSDP", "false").lower() != "true":
+        return None
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    return FullyShardedDataParallelPlugin()  # reads the FSDP_* variables, as Accelerator() would
+
+
+def keep_fsdp_on_cpu(accelerator: Any, plugin: Any, precision: str) -> bool:
+    """Run FSDP on CPU processes (gloo) where accelerate would silently run DDP instead.
+
+    accelerate 1.15's AcceleratorState turns FSDP on only for GPU-like distributed types (MULTI_GPU,
+    MULTI_NPU, ...); a CPU group is MULTI_CPU, so the plugin is dropped and `prepare` wraps the model in
+    DDP. FSDP2 itself runs on gloo: set the state accelerate would have set for a GPU (its
+    distributed type and plugin, and the plugin's precision) before anything is prepared. Returns
+    whether it did. FSDP1 is refused: it needs a GPU.
+    """
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType
+
+    if plugin is None or accelerator.distributed_type != DistributedType.MULTI_CPU:
+        return False
+    if plugin.fsdp_version != 2:
+        raise RuntimeError(f"fsdp_version {plugin.fsdp_version} on CPU processes: only FSDP2 runs over gloo; "
+                           "set fsdp_version: 2 in the accelerate config (accelerate_configs/fsdp.yaml does)")
+    if precision != "no":
+        plugin.set_mixed_precision(precision)
+    accelerator.state.fsdp_plugin = plugin
+    # both states, as AcceleratorState.__init__ does: every later AcceleratorState() copies PartialState's
+    accelerator.state.distributed_type = DistributedType.FSDP
+    PartialState().distributed_type = DistributedType.FSDP
+    return True
 
 
 def launcher_precision(env: Mapping[str, str] | None = None) -> str | None:

@@ -134,6 +134,57 @@ def load_model(cfg: ModelConfig, model_config: Any) -> PreTrainedModel:
     return model
 
 
+def tied_parameters(model: torch.nn.Module) -> list[list[str]]:
+    """Groups of parameter names that are one tensor, e.g. BERT's word embeddings and MLM decoder
+    weight, and its head's bias and decoder bias."""
+    names: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    return [group for group in names.values() if len(group) > 1]
+
+
+def check_tied(model: torch.nn.Module, groups: list[list[str]]) -> None:
+    """Raise if a group of `tied_parameters` is no longer one tensor (they would train as copies)."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    split = [group for group in groups if len({id(params[name]) for name in group}) != 1]
+    if split:
+        raise RuntimeError(f"tied parameters were untied while the model was prepared: {split}")
+
+
+def repeated_layer_class(model: torch.nn.Module) -> list[str]:
+    """The class of the encoder's layers: the modules of the longest ModuleList of one class."""
+    lists = [m for m in model.modules()
+             if isinstance(m, torch.nn.ModuleList) and len(m) and len({type(x) for x in m}) == 1]
+    return [type(max(lists, key=len)[0]).__name__] if lists else []
+
+
+def fsdp_wrap_classes(model: torch.nn.Module, requested: str | None) -> tuple[list[str], list[str]]:
+    """(module classes that each become one FSDP unit, classes left in the root unit).
+
+    The classes are --fsdp_wrap_classes, else the model's `_no_split_modules`, else its repeated
+    layers. A class whose modules hold one end of a tie but not the other (BertEmbeddings holds the
+    word embeddings that the MLM decoder shares) stays in the root unit with the head: FSDP2 refuses
+    a parameter managed by two units (DESIGN.md, pitfall 13).
+    """
+    if requested:
+        names = [name.strip() for name in requested.split(",") if name.strip()]
+    else:
+        names = sorted(getattr(model, "_no_split_modules", None) or []) or repeated_layer_class(model)
+    tied = [set(group) for group in tied_parameters(model)]
+    wrap, held = [], []
+    for cls in names:
+        modules = [(path, m) for path, m in model.named_modules() if type(m).__name__ == cls]
+        if not modules:
+            if requested:
+                raise ConfigError(f"--fsdp_wrap_classes {requested}: {type(model).__name__} has no module of "
+                                  f"class {cls!r}; its layers are {', '.join(repeated_layer_class(model)) or '-'}")
+            continue
+        owned = [{f"{path}.{name}" for name, _ in m.named_parameters(remove_duplicate=False)} for path, m in modules]
+        splits_a_tie = any(0 < len(group & mine) < len(group) for group in tied for mine in owned)
+        (held if splits_a_tie else wrap).append(cls)
+    return wrap, held
+
+
 MLM_HEAD_ATTRIBUTES = ("cls", "lm_head")  # BERT-style and RoBERTa-style masked-LM heads
 
 
@@ -172,6 +223,12 @@ class MaskedLMLoss(torch.nn.Module):
             (name for name in MLM_HEAD_ATTRIBUTES if isinstance(getattr(model, name, None), torch.nn.Module)), None
         )
         self.masked_only = masked_only and self.head_name is not None  # else the model's own forward
+
+    def tie_weights(self) -> None:
+        """Tie the model's shared parameters again. accelerate calls this on the module it prepares
+        around FSDP's CPU-RAM-efficient loading (which moves the model to the meta device); without
+        it the decoder and the embeddings would train as two copies."""
+        self.model.tie_weights()
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                 labels: torch.Tensor) -> tuple[torch.Tensor, ...]:

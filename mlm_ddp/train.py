@@ -42,11 +42,14 @@ from mlm_ddp.masking import EVAL_SPLIT, IGNORE_INDEX, TRAIN_SPLIT, MaskingCollat
 from mlm_ddp.model import (
     MLM_HEAD_ATTRIBUTES,
     MaskedLMLoss,
+    check_tied,
+    fsdp_wrap_classes,
     inner_state_dict,
     load_model,
     load_model_config,
     load_tokenizer,
     max_positions,
+    tied_parameters,
 )
 from mlm_ddp.report import write_report
 
@@ -541,6 +544,40 @@ def wrap_model(cfg: Config, transformers_model: torch.nn.Module) -> MaskedLMLoss
     return model
 
 
+def check_fsdp_plugin(plugin: Any, cuda: bool) -> None:
+    """Refuse FSDP settings that cannot run here, or whose checkpoints mlm_ddp cannot validate and resume."""
+    if plugin is None:
+        return
+    from torch.distributed.fsdp import StateDictType
+
+    if plugin.fsdp_version != 2 and not cuda:
+        raise ConfigError(f"fsdp_version {plugin.fsdp_version} on CPU processes: only FSDP2 runs over gloo; set "
+                          "fsdp_version: 2 in the accelerate config (accelerate_configs/fsdp.yaml does)")
+
+    if plugin.state_dict_type != StateDictType.SHARDED_STATE_DICT:
+        raise ConfigError(f"fsdp_state_dict_type {plugin.state_dict_type.name}: mlm_ddp checkpoints FSDP runs with "
+                          "SHARDED_STATE_DICT (each rank writes its shard; final/ is written whole either way); set "
+                          "fsdp_state_dict_type: SHARDED_STATE_DICT in the accelerate config")
+
+
+def configure_fsdp_units(accelerator: Accelerator, cfg: Config, inner: torch.nn.Module) -> None:
+    """Tell accelerate's FSDP2 plugin which module classes become FSDP units: --fsdp_wrap_classes, or
+    the accelerate config's fsdp_transformer_layer_cls_to_wrap, else taken from the model; classes
+    that would split a tied parameter from its partner stay in the root unit."""
+    from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+
+    plugin = accelerator.state.fsdp_plugin
+    if plugin.auto_wrap_policy is not transformer_auto_wrap_policy:
+        logger.info("FSDP auto-wrap policy %s: --fsdp_wrap_classes is not used", plugin.auto_wrap_policy)
+        return
+    asked = cfg.model.fsdp_wrap_classes or ",".join(plugin.transformer_cls_names_to_wrap or [])
+    wrap, held = fsdp_wrap_classes(inner, asked or None)
+    plugin.transformer_cls_names_to_wrap = wrap
+    logger.info("FSDP units: each %s (%s); the root unit holds the rest%s", " / ".join(wrap) or "nothing",
+                f"--fsdp_wrap_classes {asked}" if asked else "taken from the model",
+                f", including {', '.join(held)}, which holds a parameter tied to the MLM head" if held else "")
+
+
 def epoch_steps(epochs: float, batches_per_epoch: int, accumulation: int) -> int:
     """Optimizer steps of `epochs` epochs: every micro-batch of them is trained on. When accumulation
     does not divide the epochs' micro-batches, the last step is filled with the first micro-batches of
@@ -587,12 +624,15 @@ def _train(cfg: Config, stop: StopSignals, on_exit: ExitStack) -> TrainResult:
         raise ConfigError(f"the tokenizer has {len(tokenizer)} tokens but the model's vocabulary only "
                           f"{model_config.vocab_size}; pass the model's own tokenizer")
     topo = dist.detect()
+    fsdp_plugin = dist.fsdp_plugin_from_launcher()
+    check_fsdp_plugin(fsdp_plugin, cuda=bool(topo.cuda_devices))
     plan = check_output_dir(cfg)
     resume_from = plan.resume_from
     state = ckpt.TrainerState(step=0, epoch=0, batch_in_epoch=0, tokens_seen=0, world_size=topo.world_size)
     accepted_changes: dict = {}
     if resume_from is not None:
-        state, accepted_changes = ckpt.check_resume(resume_from, cfg.to_dict(), topo.world_size)
+        state, accepted_changes = ckpt.check_resume(resume_from, cfg.to_dict(), topo.world_size,
+                                                    sharded=fsdp_plugin is not None)
         if cfg.data.streaming:
             mdata.check_stream_resume(datasets.__version__)
         if plan.own_checkpoint and (out / "metrics.jsonl").exists():
@@ -605,6 +645,7 @@ def _train(cfg: Config, stop: StopSignals, on_exit: ExitStack) -> TrainResult:
     dist.export_for_accelerate(topo)
     precision = dist.resolve_precision(t.mixed_precision, cuda=bool(topo.cuda_devices))
     accelerator = Accelerator(
+        fsdp_plugin=fsdp_plugin,
         cpu=not topo.cuda_devices,  # else a CPU process started by torchrun or srun trains alone
         mixed_precision=precision,  # from our config, so every launcher trains alike
         gradient_accumulation_plugin=GradientAccumulationPlugin(
@@ -614,6 +655,9 @@ def _train(cfg: Config, stop: StopSignals, on_exit: ExitStack) -> TrainResult:
         log_with=trackers or None,
         project_dir=str(out / "logs"),  # TensorBoard writes into logs/<TRACKING_PROJECT>/
     )
+    if dist.keep_fsdp_on_cpu(accelerator, fsdp_plugin, precision):
+        logger.info("FSDP on CPU processes: the accelerate config asks for FSDP, which accelerate would run as "
+                    "DDP on a CPU; mlm_ddp keeps its FSDP2 plugin (gloo)")
     dist.check_accelerator(topo, accelerator.num_processes, str(accelerator.distributed_type))
     rank, world = accelerator.process_index, accelerator.num_processes
     wait = MainProcessWait(accelerator, cfg.run.save_timeout)
@@ -662,7 +706,12 @@ def _train(cfg: Config, stop: StopSignals, on_exit: ExitStack) -> TrainResult:
     scheduler = get_scheduler(t.lr_scheduler_type, optimizer, num_warmup_steps=t.num_warmup_steps,
                               num_training_steps=total_steps)
     # the scheduler is stepped by us once per optimizer step: not prepared, saved as JSON
+    ties = tied_parameters(model.model)
+    n_params = sum(p.numel() for p in model.model.parameters())  # before FSDP leaves each rank its shard
+    if sharded(accelerator):
+        configure_fsdp_units(accelerator, cfg, model.model)
     model, optimizer = accelerator.prepare(model, optimizer)
+    check_tied(accelerator.unwrap_model(model).model, ties)
     if resume_from is not None:
         restore(accelerator, resume_from, scheduler, accepted_changes)
         logger.info("resumed from %s at step %d", resume_from, state.step)
@@ -676,7 +725,7 @@ def _train(cfg: Config, stop: StopSignals, on_exit: ExitStack) -> TrainResult:
     logger.info("data: %s; %d optimizer steps", data_note, total_steps)
     inner = accelerator.unwrap_model(model).model
     logger.info("model: %s, %.1fM parameters; MLM head on %s positions; attention %s; AdamW %s; torch.compile %s",
-                type(inner).__name__, sum(p.numel() for p in inner.parameters()) / 1e6,
+                type(inner).__name__, n_params / 1e6,
                 "masked" if accelerator.unwrap_model(model).masked_only else "all",
                 inner.config._attn_implementation, t.optimizer_impl, "on" if t.torch_compile else "off")
 

@@ -71,7 +71,10 @@ def test_every_accelerate_config_loads_and_describes_topology_only(name: str) ->
     header = [line for line in path.read_text().splitlines() if line.startswith("#")]
     assert any(f"accelerate launch --config_file accelerate_configs/{name}" in line for line in header)
     if kind == DistributedType.FSDP:
-        assert config.fsdp_config["fsdp_transformer_layer_cls_to_wrap"] == "BertLayer"
+        # the wrap class is the model's (or --fsdp_wrap_classes), so any BERT family trains with it
+        assert "fsdp_transformer_layer_cls_to_wrap" not in config.fsdp_config
+        assert config.fsdp_config["fsdp_version"] == 2
+        assert config.fsdp_config["fsdp_state_dict_type"] == "SHARDED_STATE_DICT"
     if name == "multi_node.yaml":
         assert config.num_machines > 1 and not config.same_network
 
@@ -116,6 +119,11 @@ def test_a_group_whose_processes_train_alone_is_refused() -> None:
     topo = dist.detect({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}, cuda_devices=0)
     with pytest.raises(RuntimeError, match="started 2 processes .* but Accelerate runs 1"):
         dist.check_accelerator(topo, 1, "DistributedType.NO")
+
+
+def test_the_fsdp_plugin_is_built_from_the_launcher_only_when_asked() -> None:
+    assert dist.fsdp_plugin_from_launcher({}) is None
+    assert dist.fsdp_plugin_from_launcher({"ACCELERATE_USE_FSDP": "false"}) is None
 
 
 def test_launcher_precision_is_read_but_only_when_asked() -> None:

@@ -1,0 +1,245 @@
+"""FSDP for real: accelerate_configs/fsdp.yaml on two CPU processes over gloo (accelerate alone would
+run DDP there). The same curve as DDP for BERT and RoBERTa, sharded checkpoints that resume exactly
+after a stop signal, refusals of what cannot be resumed, a kill -9 during a sharded save, and a
+final/ that is the whole tied model (issue 18)."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import shutil
+import signal
+from pathlib import Path
+
+import pytest
+import yaml
+
+from mlm_ddp import checkpoint as ckpt
+from mlm_ddp.config import ConfigError, parse_args
+from mlm_ddp.train import EXIT_REQUEUE, main
+from tests.conftest import NO_DROPOUT, last_step, read_metrics, run_module, tiny_args, train_losses, wait_for
+from tests.test_reliability import popen, workers_of
+from tests.test_topology import CONFIGS, LAUNCH, free_port, max_rel_diff
+
+STEPS = 20
+# constant learning rate: the first N steps of any run are the same whatever --max_train_steps says,
+# so a run stopped by a signal and resumed can be compared with one straight run
+COMMON = [*NO_DROPOUT, "--lr_scheduler_type", "constant", "--mixed_precision", "no", "--report", "false"]
+FSDP_ENV = {"ACCELERATE_USE_CPU": "true"}
+
+
+def launch(config: str, model: Path, corpus: dict, out: Path, *extra: str) -> list[str]:
+    return [*LAUNCH, "--config_file", str(CONFIGS / config), "--num_processes", "2", "--main_process_port",
+            str(free_port()), "-m", "mlm_ddp.train", *tiny_args(model, corpus, out, *COMMON, *extra)]
+
+
+def train_two(config: str, model: Path, corpus: dict, out: Path, *extra: str) -> str:
+    proc = run_module(launch(config, model, corpus, out, *extra), env=FSDP_ENV if config == "fsdp.yaml" else None)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stderr
+
+
+@pytest.fixture(scope="module")
+def tiny_roberta(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 2-layer RobertaForMaskedLM with the tiny BERT's tokenizer."""
+    import torch
+    from transformers import AutoTokenizer, RobertaConfig, RobertaForMaskedLM
+
+    root = tmp_path_factory.mktemp("tiny_roberta")
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    tokenizer.save_pretrained(root)
+    # RoBERTa numbers positions from pad_token_id + 1: two more positions than the 64 tokens
+    config = RobertaConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                           intermediate_size=64, max_position_embeddings=66, pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(0)
+    RobertaForMaskedLM(config).save_pretrained(root)
+    return root
+
+
+@pytest.fixture(scope="module")
+def bert_fsdp(tiny_model: Path, corpus: dict, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """A finished FSDP run of STEPS steps with sharded checkpoints every 4 steps; (output_dir, log)."""
+    out = tmp_path_factory.mktemp("bert_fsdp") / "run"
+    log = train_two("fsdp.yaml", tiny_model, corpus, out, "--max_train_steps", str(STEPS),
+                    "--checkpointing_steps", "4", "--save_total_limit", "2")
+    return out, log
+
+
+@pytest.mark.parametrize("family", ["bert", "roberta"])
+def test_fsdp_trains_the_ddp_curve(family: str, bert_fsdp: tuple[Path, str], tiny_model: Path, tiny_roberta: Path,
+                                   corpus: dict, tmp_path: Path) -> None:
+    model = {"bert": tiny_model, "roberta": tiny_roberta}[family]
+    layer = {"bert": "BertLayer", "roberta": "RobertaLayer"}[family]
+    if family == "bert":
+        fsdp, log = bert_fsdp
+    else:
+        fsdp = tmp_path / "fsdp"
+        log = train_two("fsdp.yaml", model, corpus, fsdp, "--max_train_steps", str(STEPS))
+    assert "mlm_ddp keeps its FSDP2 plugin (gloo)" in log
+    assert "topology: 2 process(es) on 1 node(s), DistributedType.FSDP" in log
+    # the wrap class comes from the model; the embeddings, tied to the head, stay in the root unit with it
+    assert f"FSDP units: each {layer} (taken from the model)" in log
+    assert "Embeddings, which holds a parameter tied to the MLM head" in log
+    train_two("cpu_ddp.yaml", model, corpus, tmp_path / "ddp", "--max_train_steps", str(STEPS))
+    a, b = train_losses(tmp_path / "ddp"), train_losses(fsdp)
+    assert sorted(b) == list(range(1, STEPS + 1))
+    worst = max_rel_diff(a, b)
+    print(f"{family}: FSDP vs DDP, largest relative loss difference over {STEPS} steps: {worst:.2e}")
+    assert worst <= 1e-5, (a, b)
+
+
+def test_sharded_checkpoints_are_complete_rotated_and_refused_where_they_cannot_resume(
+        bert_fsdp: tuple[Path, str], tmp_path: Path) -> None:
+    out, _ = bert_fsdp
+    done = ckpt.complete_checkpoints(out)
+    assert [p.name for p in done] == ["step-0000016", "step-0000020"]  # --save_total_limit 2
+    newest = done[-1]
+    for name in ckpt.state_files(2, sharded=True):
+        assert (newest / name).is_file(), name
+    assert not (newest / "model.safetensors").exists()
+    saved = yaml.safe_load((newest / "config.yaml").read_text())
+    state, _ = ckpt.check_resume(newest, saved, world_size=2, sharded=True)
+    assert state.step == STEPS and state.world_size == 2
+    with pytest.raises(ConfigError, match="written by 2 process"):
+        ckpt.check_resume(newest, saved, world_size=4, sharded=True)
+    with pytest.raises(ConfigError, match="written by an FSDP run .* does not shard the model"):
+        ckpt.check_resume(newest, saved, world_size=2, sharded=False)
+    damaged = shutil.copytree(newest, tmp_path / "damaged")
+    (damaged / "optimizer_0" / "__1_0.distcp").unlink()
+    with pytest.raises(ConfigError, match=r"missing optimizer_0/__1_0.distcp"):
+        ckpt.check_resume(damaged, saved, world_size=2, sharded=True)
+    # torch unpickles DCP metadata without restriction: a pickle that would run code is refused first
+    hostile = shutil.copytree(newest, tmp_path / "hostile")
+    (hostile / "pytorch_model_fsdp_0" / ".metadata").write_bytes(pickle.dumps(os.system))
+    with pytest.raises(ConfigError, match="posix.system is not part of checkpoint metadata"):
+        ckpt.check_resume(hostile, saved, world_size=2, sharded=True)
+
+
+def test_a_stop_signal_saves_a_sharded_checkpoint_and_latest_resumes_the_straight_curve(
+        bert_fsdp: tuple[Path, str], tiny_model: Path, corpus: dict, tmp_path: Path) -> None:
+    straight = train_losses(bert_fsdp[0])
+    out = tmp_path / "stopped"
+    proc = popen(launch("fsdp.yaml", tiny_model, corpus, out, "--max_train_steps", "400"), env=FSDP_ENV)
+    try:
+        wait_for(lambda: last_step(out) >= 2, 120, "step 2")
+        ranks = workers_of(proc.pid)
+        assert sorted(ranks) == [0, 1], ranks
+        os.kill(ranks[1], signal.SIGUSR1)  # one rank only: both save the same sharded checkpoint
+        output, _ = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert "exitcode  : 75" in output, output[-3000:]
+    record = json.loads((out / "stopped.json").read_text())
+    assert record["exit_code"] == EXIT_REQUEUE and 2 <= record["step"] < STEPS - 4
+    saved = Path(record["checkpoint"])
+    assert (saved / ckpt.MARKER).exists() and (saved / "pytorch_model_fsdp_0" / "__1_0.distcp").exists()
+
+    train_two("fsdp.yaml", tiny_model, corpus, out, "--max_train_steps", str(STEPS), "--resume_from_checkpoint",
+              "latest")
+    resumed = train_losses(out)
+    assert sorted(resumed) == list(range(1, STEPS + 1))
+    assert max_rel_diff(straight, resumed) <= 1e-5
+    assert not (out / "stopped.json").exists()
+
+
+def test_final_is_the_whole_tied_model_and_evaluates_as_the_last_eval(
+        bert_fsdp: tuple[Path, str], tiny_model: Path, corpus: dict, tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+    from transformers import AutoModelForMaskedLM, pipeline
+
+    out, _ = bert_fsdp
+    final = out / "final"
+    weights = load_file(str(final / "model.safetensors"))
+    embeddings = weights["bert.embeddings.word_embeddings.weight"]
+    assert tuple(embeddings.shape) == (600, 32)  # whole, not a shard
+    decoder = weights.get("cls.predictions.decoder.weight")
+    assert decoder is None or decoder.equal(embeddings)  # saved once (tied), or as the same values
+    model = AutoModelForMaskedLM.from_pretrained(final)
+    assert model.cls.predictions.decoder.weight is model.bert.embeddings.word_embeddings.weight
+    fill = pipeline("fill-mask", model=str(final), device="cpu")
+    assert len(fill("the [MASK] of the function", top_k=3)) == 3
+
+    last_eval = [r for r in read_metrics(out) if "eval_loss" in r][-1]
+    assert last_eval["step"] == STEPS
+    # final/ evaluated by a fresh one-process run (its step-0 eval) on the same held-out set
+    check = tmp_path / "check"
+    assert main(tiny_args(final, corpus, check, "--max_train_steps", "1", *COMMON)) == 0
+    first_eval = [r for r in read_metrics(check) if "eval_loss" in r][0]
+    assert first_eval["step"] == 0
+    assert first_eval["eval_loss"] == pytest.approx(last_eval["eval_loss"], rel=1e-5)
+
+
+def test_kill_9_during_a_sharded_save_leaves_nothing_latest_would_pick(tiny_model: Path, corpus: dict,
+                                                                     tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    proc = popen(launch("fsdp.yaml", tiny_model, corpus, out, "--max_train_steps", "8", "--checkpointing_steps", "2"),
+                 env={**FSDP_ENV, ckpt.SLOW_SAVE_ENV: "3"})
+    half = out / "checkpoints" / ".tmp-step-0000004" / ckpt.STATE_FILE  # every shard written, no marker yet
+    workers: dict[int, int] = {}
+    try:
+        wait_for(half.exists, 120, "the save of step 4")
+        workers = workers_of(proc.pid)
+    finally:
+        for pid in workers.values():  # SIGKILL: no handler, no cleanup, on every rank
+            os.kill(pid, signal.SIGKILL)
+        proc.kill()
+        proc.communicate()
+    assert sorted(workers) == [0, 1]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [".tmp-step-0000004", "step-0000002"]
+    assert (out / "checkpoints" / ".tmp-step-0000004" / "pytorch_model_fsdp_0" / "__1_0.distcp").exists()
+    assert ckpt.resolve_resume("latest", out).name == "step-0000002"
+    assert ckpt.partial_checkpoints(out)[0].name == ".tmp-step-0000004"
+    cfg = parse_args(tiny_args(tiny_model, corpus, out, *COMMON, "--max_train_steps", "8",
+                               "--checkpointing_steps", "2"))
+    state, _ = ckpt.check_resume(out / "checkpoints" / "step-0000002", cfg.to_dict(), world_size=2, sharded=True)
+    assert state.step == 2
+
+
+
+def _tiny(family: str):
+    import transformers as T
+
+    small = dict(vocab_size=120, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+                 max_position_embeddings=64, pad_token_id=0)
+    configs = {
+        "bert": T.BertConfig(**small), "roberta": T.RobertaConfig(**small), "electra": T.ElectraConfig(**small),
+        "deberta-v2": T.DebertaV2Config(**small),
+        "distilbert": T.DistilBertConfig(vocab_size=120, dim=32, n_layers=2, n_heads=2, hidden_dim=64,
+                                         max_position_embeddings=64, pad_token_id=0),
+        "modernbert": T.ModernBertConfig(**small, bos_token_id=1, eos_token_id=2, cls_token_id=1, sep_token_id=2),
+    }
+    return T.AutoModelForMaskedLM.from_config(configs[family])
+
+
+@pytest.mark.parametrize(("family", "wrap", "held"), [
+    ("bert", ["BertLayer"], ["BertEmbeddings"]),
+    ("roberta", ["RobertaLayer"], ["RobertaEmbeddings"]),
+    ("modernbert", ["ModernBertEncoderLayer"], ["ModernBertEmbeddings"]),
+    ("distilbert", ["TransformerBlock"], []),  # no _no_split_modules: the repeated layers
+    ("electra", ["ElectraLayer"], []),
+    ("deberta-v2", ["DebertaV2Layer"], []),
+])
+def test_fsdp_units_come_from_the_model_and_never_split_a_tie(family: str, wrap: list, held: list) -> None:
+    from mlm_ddp.model import fsdp_wrap_classes, tied_parameters
+
+    model = _tiny(family)
+    ties = tied_parameters(model)
+    assert any(any(n.endswith("word_embeddings.weight") or n.endswith("tok_embeddings.weight") for n in g)
+               for g in ties), ties  # the decoder shares the word embeddings
+    assert fsdp_wrap_classes(model, None) == (wrap, held)
+    # every tie lies inside one unit: in no wrapped module, or wholly inside one
+    wrapped = [(p, m) for p, m in model.named_modules() if type(m).__name__ in wrap]
+    for group in map(set, ties):
+        for path, module in wrapped:
+            mine = {f"{path}.{n}" for n, _ in module.named_parameters(remove_duplicate=False)}
+            assert not group & mine or group <= mine
+
+
+def test_fsdp_wrap_classes_overrides_and_names_a_class_the_model_lacks() -> None:
+    from mlm_ddp.model import fsdp_wrap_classes
+
+    model = _tiny("bert")
+    assert fsdp_wrap_classes(model, "BertLayer,BertEmbeddings") == (["BertLayer"], ["BertEmbeddings"])
+    with pytest.raises(ConfigError, match="has no module of class 'RobertaLayer'; its layers are BertLayer"):
+        fsdp_wrap_classes(model, "RobertaLayer")
