@@ -927,30 +927,38 @@ def setup_logging() -> None:
                         datefmt="%H:%M:%S", level=logging.INFO)
 
 
+def say(line: str) -> None:
+    """One line on stderr in one write: every rank may print its error at the same moment into the
+    launcher's one pipe, and print() writes the text and its newline apart (unbuffered stderr), so
+    two ranks' lines could run into one."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
+
 def main(argv: list[str] | None = None) -> int:
     setup_logging()
     try:
         train(parse_args(argv))
     except ConfigError as err:
-        print(f"mlm_ddp.train: error: {err}", file=sys.stderr)
+        say(f"mlm_ddp.train: error: {err}")
         return EXIT_BAD_INPUT
     except AlreadyFinished as err:
-        print(f"mlm_ddp.train: {err}", file=sys.stderr)
+        say(f"mlm_ddp.train: {err}")
         return 0
     except Preempted as err:
-        print(f"mlm_ddp.train: {err} (exit {EXIT_REQUEUE})", file=sys.stderr)
+        say(f"mlm_ddp.train: {err} (exit {EXIT_REQUEUE})")
         return EXIT_REQUEUE
     except NonFiniteLoss as err:
-        print(f"mlm_ddp.train: error: {err}", file=sys.stderr)
+        say(f"mlm_ddp.train: error: {err}")
         return EXIT_NONFINITE
     except CheckpointWriteError as err:
-        print(f"mlm_ddp.train: error: {err}", file=sys.stderr)
+        say(f"mlm_ddp.train: error: {err}")
         return EXIT_FAILED
     except RuntimeError as err:  # DistError is one; gloo inside DDP's backward raises a plain one
         topo = dist.detect(cuda_devices=0)
         if not (topo.distributed and is_collective_failure(err)):
             raise
-        print(f"mlm_ddp.train: error: {lost_contact(topo, err)}", file=sys.stderr)
+        say(f"mlm_ddp.train: error: {lost_contact(topo, err)}")
         return EXIT_FAILED
     return 0
 
