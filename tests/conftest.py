@@ -67,6 +67,24 @@ def tiny_model(corpus: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
     return root
 
 
+def tiny_family_model(family: str, tiny_model: Path, root: Path) -> Path:
+    """A 2-layer masked LM of another family ('roberta', 'deberta-v2', ...), the size of `tiny_model`,
+    with its tokenizer, saved in `root`: the model family next door."""
+    import torch
+    from transformers import AutoConfig, AutoModelForMaskedLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    tokenizer.save_pretrained(root)
+    # RoBERTa numbers positions from pad_token_id + 1: two more positions than the 64 tokens
+    positions = 66 if family == "roberta" else 64
+    config = AutoConfig.for_model(family, vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2,
+                                  num_attention_heads=2, intermediate_size=64, max_position_embeddings=positions,
+                                  pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(0)
+    AutoModelForMaskedLM.from_config(config).save_pretrained(root)
+    return root
+
+
 @pytest.fixture(autouse=True)
 def _fresh_accelerate_state() -> None:
     """train() may run several times in one test process; accelerate keeps singleton state."""

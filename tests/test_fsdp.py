@@ -18,7 +18,16 @@ import yaml
 from mlm_ddp import checkpoint as ckpt
 from mlm_ddp.config import ConfigError, parse_args
 from mlm_ddp.train import EXIT_REQUEUE, main
-from tests.conftest import NO_DROPOUT, last_step, read_metrics, run_module, tiny_args, train_losses, wait_for
+from tests.conftest import (
+    NO_DROPOUT,
+    last_step,
+    read_metrics,
+    run_module,
+    tiny_args,
+    tiny_family_model,
+    train_losses,
+    wait_for,
+)
 from tests.test_reliability import popen, workers_of
 from tests.test_topology import CONFIGS, LAUNCH, free_port, max_rel_diff
 
@@ -43,18 +52,7 @@ def train_two(config: str, model: Path, corpus: dict, out: Path, *extra: str) ->
 @pytest.fixture(scope="module")
 def tiny_roberta(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A 2-layer RobertaForMaskedLM with the tiny BERT's tokenizer."""
-    import torch
-    from transformers import AutoTokenizer, RobertaConfig, RobertaForMaskedLM
-
-    root = tmp_path_factory.mktemp("tiny_roberta")
-    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
-    tokenizer.save_pretrained(root)
-    # RoBERTa numbers positions from pad_token_id + 1: two more positions than the 64 tokens
-    config = RobertaConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                           intermediate_size=64, max_position_embeddings=66, pad_token_id=tokenizer.pad_token_id)
-    torch.manual_seed(0)
-    RobertaForMaskedLM(config).save_pretrained(root)
-    return root
+    return tiny_family_model("roberta", tiny_model, tmp_path_factory.mktemp("tiny_roberta"))
 
 
 @pytest.fixture(scope="module")

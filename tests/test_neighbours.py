@@ -15,7 +15,7 @@ import pytest
 from mlm_ddp.checkpoint import SAFE_LOADING_TORCH, SLOW_SAVE_ENV, check_safe_loading
 from mlm_ddp.config import ConfigError
 from mlm_ddp.train import EXIT_BAD_INPUT, main
-from tests.conftest import REPO, read_metrics, tiny_args, train_losses
+from tests.conftest import REPO, read_metrics, tiny_args, tiny_family_model, train_losses
 from tests.test_reliability import snapshot
 from tests.test_topology import CONFIGS, LAUNCH, free_port, run_module
 
@@ -94,17 +94,7 @@ def test_auto_starts_over_an_attempt_of_the_same_run_that_saved_nothing(
 @pytest.fixture(scope="module")
 def tiny_deberta(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A 2-layer DebertaV2ForMaskedLM (no sdpa kernel in transformers) with the tiny tokenizer."""
-    import torch
-    from transformers import AutoTokenizer, DebertaV2Config, DebertaV2ForMaskedLM
-
-    root = tmp_path_factory.mktemp("tiny_deberta")
-    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
-    tokenizer.save_pretrained(root)
-    config = DebertaV2Config(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                             intermediate_size=64, max_position_embeddings=64, pad_token_id=tokenizer.pad_token_id)
-    torch.manual_seed(0)
-    DebertaV2ForMaskedLM(config).save_pretrained(root)
-    return root
+    return tiny_family_model("deberta-v2", tiny_model, tmp_path_factory.mktemp("tiny_deberta"))
 
 
 def test_a_model_without_sdpa_trains_with_eager_attention(tiny_deberta: Path, corpus: dict, tmp_path: Path,
