@@ -741,8 +741,8 @@ def _train(cfg: Config, stop: StopSignals, on_exit: ExitStack) -> TrainResult:
     stream_state = ckpt.read_data_state(resume_from, rank) if resume_from else None
     feed = mdata.TrainFeed(train_dl, train_collator, ga, state.epoch, state.batch_in_epoch, any_rank, stream_state,
                            gather)
-    if feed.stream:  # only reading tells whether a stream fills one step: before anything is written
-        feed.prime()
+    if feed.stream and state.step < total_steps:  # only reading tells whether a stream fills a step
+        feed.prime()  # before anything is written
     # the first write: every check passed, the checkpoint loaded and the stream fills a step
     if accelerator.is_main_process:
         if plan.clear_earlier:
