@@ -42,7 +42,7 @@ RESUMABLE_CHANGES = {
     "data.preprocessing_num_workers", "model.mlm_head", "model.fsdp_wrap_classes", "training.optimizer_impl",
     "training.torch_compile",
 }
-SAFE_LOADING_TORCH = (2, 4)  # pyproject's torch floor; tests/test_reliability.py checks they agree
+SAFE_LOADING_TORCH = (2, 4)  # pyproject's torch floor; tests/test_neighbours.py checks they agree
 # FSDP with SHARDED_STATE_DICT: accelerate's folders for model 0 and optimizer 0, each a
 # torch.distributed.checkpoint folder
 SHARDED_DIRS = ("pytorch_model_fsdp_0", "optimizer_0")

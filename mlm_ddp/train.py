@@ -379,9 +379,10 @@ class MetricsFile:
 
 class MainProcessWait:
     """The collectives in which the other processes wait while the main process alone works (the
-    files of a checkpoint, final/, removing an earlier run): on a gloo group of their own with
-    --save_timeout, so that --ddp_timeout can stay short for the training collectives (DESIGN.md,
-    pitfall 14). Every rank must call each method at the same point."""
+    files of a checkpoint, final/, removing an earlier run, tokenizing): on a gloo group of their own
+    with a long timeout (--save_timeout, --preprocessing_timeout), so that --ddp_timeout can stay
+    short for the training collectives (DESIGN.md, pitfall 14). Every rank must call each method at
+    the same point."""
 
     def __init__(self, accelerator: Accelerator, timeout_s: int) -> None:
         self.group = None
@@ -391,6 +392,11 @@ class MainProcessWait:
     def barrier(self) -> None:
         if self.group is not None:
             torch.distributed.barrier(group=self.group)
+
+    def close(self) -> None:
+        if self.group is not None:
+            torch.distributed.destroy_process_group(self.group)
+            self.group = None
 
     def any(self, flag: bool) -> bool:
         """True on every rank when `flag` is true on any rank."""
@@ -506,18 +512,15 @@ def restore(accelerator: Accelerator, path: Path, scheduler: Any, accepted_chang
 
 @contextmanager
 def patient_main_process_first(accelerator: Accelerator, timeout_s: int) -> Iterator[None]:
-    """Like accelerate's main_process_first, but the others wait on a separate group with a long
+    """Like accelerate's main_process_first, but the others wait on a group of their own with a long
     timeout: tokenizing a large corpus must not trip --ddp_timeout (transformers #17106)."""
-    group = None
-    if accelerator.num_processes > 1:
-        group = torch.distributed.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
-    if group is not None and not accelerator.is_main_process:
-        torch.distributed.barrier(group=group)
+    wait = MainProcessWait(accelerator, timeout_s)
+    if not accelerator.is_main_process:
+        wait.barrier()
     yield
-    if group is not None and accelerator.is_main_process:
-        torch.distributed.barrier(group=group)
-    if group is not None:
-        torch.distributed.destroy_process_group(group)
+    if accelerator.is_main_process:
+        wait.barrier()
+    wait.close()
 
 
 def build_optimizer(model: torch.nn.Module, cfg: Config) -> torch.optim.Optimizer:
