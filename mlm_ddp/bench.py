@@ -32,10 +32,19 @@ from transformers import AutoModelForMaskedLM, DataCollatorForLanguageModeling, 
 
 from mlm_ddp import data as mdata
 from mlm_ddp import distributed as dist
-from mlm_ddp.config import ConfigError, ModelConfig, _doc, from_dict
+from mlm_ddp.config import ModelConfig, _doc, from_dict
+from mlm_ddp.errors import BadInput
 from mlm_ddp.masking import EVAL_SPLIT, IGNORE_INDEX, TRAIN_SPLIT, MaskingCollator
-from mlm_ddp.model import MaskedLMLoss, load_model, load_model_config, load_tokenizer, resolve_model_path
-from mlm_ddp.train import build_optimizer, forward_backward, wrap_model
+from mlm_ddp.model import (
+    MaskedLMLoss,
+    build_optimizer,
+    load_model,
+    load_model_config,
+    load_tokenizer,
+    resolve_model_path,
+    wrap_model,
+)
+from mlm_ddp.step import forward_backward
 
 PRECISIONS = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}  # bench name -> Accelerator(mixed_precision=)
 
@@ -69,9 +78,9 @@ class BenchConfig:
     def __post_init__(self) -> None:
         for name in ("steps", "repeats", "seq", "batch", "eval_blocks"):
             if getattr(self, name) < 1:
-                raise ConfigError(f"--{name} must be at least 1, got {getattr(self, name)}")
+                raise BadInput(f"--{name} must be at least 1, got {getattr(self, name)}")
         if self.warmup < 0:
-            raise ConfigError(f"--warmup must be >= 0, got {self.warmup}")
+            raise BadInput(f"--warmup must be >= 0, got {self.warmup}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -168,8 +177,8 @@ def mlm_ddp_recipe(model: torch.nn.Module, tokenizer: Any, cfg: BenchConfig, acc
         "learning_rate": cfg.learning_rate, "weight_decay": 0.0, "mixed_precision": PRECISIONS[cfg.precision],
         "torch_compile": cfg.torch_compile, "optimizer_impl": cfg.optimizer_impl, "seed": cfg.seed,
     })
-    wrapped = wrap_model(train_cfg, model)
-    optimizer = build_optimizer(wrapped, train_cfg)
+    wrapped = wrap_model(model, cfg.mlm_head, cfg.torch_compile)
+    optimizer = build_optimizer(wrapped, train_cfg.training)
     prepared, optimizer = accelerator.prepare(wrapped, optimizer)
     collator = MaskingCollator.for_tokenizer(tokenizer, split=TRAIN_SPLIT, seed=cfg.seed)
     max_norm = train_cfg.training.max_grad_norm
@@ -231,7 +240,7 @@ def bench(cfg: BenchConfig) -> dict[str, Any]:
     packed = mdata.tokenize_and_pack(mdata.embedded_corpus(), tokenizer, cfg.seq)["input_ids"]
     blocks = [{"input_ids": ids} for ids in packed if len(ids) == cfg.seq]  # equal shapes: no padding anywhere
     if len(blocks) < cfg.eval_blocks + cfg.batch:
-        raise ConfigError(f"the embedded corpus makes {len(blocks)} blocks of {cfg.seq} tokens: too few for "
+        raise BadInput(f"the embedded corpus makes {len(blocks)} blocks of {cfg.seq} tokens: too few for "
                           f"--eval_blocks {cfg.eval_blocks} plus one --batch {cfg.batch}; lower them")
     held_out, train_blocks = blocks[: cfg.eval_blocks], blocks[cfg.eval_blocks :]
     order = torch.randperm(len(train_blocks), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
@@ -335,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
     (cfg,) = parser.parse_args_into_dataclasses(args=argv)
     try:
         result = bench(cfg)
-    except ConfigError as err:
+    except BadInput as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     profile = result.pop("profile", None)

@@ -23,7 +23,7 @@ from typing import Any
 
 import yaml
 
-from mlm_ddp.config import ConfigError
+from mlm_ddp.errors import BadInput
 
 MARKER = "COMPLETE"
 STATE_FILE = "trainer_state.json"
@@ -118,15 +118,15 @@ def resolve_resume(spec: str, output_dir: str | Path) -> Path:
     if spec == "latest":
         found = complete_checkpoints(output_dir)
         if not found:
-            raise ConfigError(
+            raise BadInput(
                 f"--resume_from_checkpoint latest: no complete checkpoint in {checkpoints_dir(output_dir)}"
             )
         return found[-1]
     path = Path(spec)
     if not path.is_dir():
-        raise ConfigError(f"--resume_from_checkpoint {spec}: no such folder")
+        raise BadInput(f"--resume_from_checkpoint {spec}: no such folder")
     if not is_complete(path):
-        raise ConfigError(
+        raise BadInput(
             f"--resume_from_checkpoint {spec}: not a complete mlm_ddp checkpoint (no {MARKER} marker "
             f"or {STATE_FILE}); it may be a save that was interrupted"
         )
@@ -137,7 +137,7 @@ def read_state(path: Path) -> TrainerState:
     try:
         return TrainerState(**json.loads((path / STATE_FILE).read_text()))
     except (ValueError, TypeError) as err:
-        raise ConfigError(f"{path / STATE_FILE}: unreadable trainer state ({err})") from err
+        raise BadInput(f"{path / STATE_FILE}: unreadable trainer state ({err})") from err
 
 
 def config_changes(saved: dict, current: dict) -> dict[str, tuple[object, object]]:
@@ -156,7 +156,7 @@ def check_safe_loading(torch_version: str) -> None:
     `optimizer.bin` and `random_states_*.pkl` with `weights_only=True` only from torch 2.4 on."""
     release = tuple(int(part) for part in re.findall(r"\d+", torch_version.split("+")[0])[:2])
     if release < SAFE_LOADING_TORCH:
-        raise ConfigError(
+        raise BadInput(
             f"resuming needs torch >= {'.'.join(map(str, SAFE_LOADING_TORCH))} (installed: {torch_version}): "
             "older versions unpickle checkpoint files without restriction, so a damaged or foreign "
             "checkpoint could run code; upgrade torch"
@@ -193,7 +193,7 @@ def check_dcp_metadata(path: Path) -> None:
         with open(path, "rb") as handle:
             _MetadataUnpickler(handle).load()
     except Exception as err:  # noqa: BLE001 - UnpicklingError, EOFError, ValueError...
-        raise ConfigError(f"{path}: refused ({type(err).__name__}: {err}); the sharded checkpoint is damaged or "
+        raise BadInput(f"{path}: refused ({type(err).__name__}: {err}); the sharded checkpoint is damaged or "
                           "not written by mlm_ddp") from err
 
 
@@ -206,14 +206,14 @@ def check_resume(path: Path, current: dict, world_size: int,
     check_safe_loading(torch.__version__)
     state = read_state(path)
     if state.world_size != world_size:
-        raise ConfigError(
+        raise BadInput(
             f"{path} was written by {state.world_size} process(es) and this run has {world_size}: each "
             f"process's RNG state and data position are saved, so resume with {state.world_size} "
             "process(es) (and the same per-device batch)"
         )
     written_sharded = (path / SHARDED_DIRS[0]).is_dir()
     if written_sharded != sharded:
-        raise ConfigError(
+        raise BadInput(
             f"{path} was written by a{'n FSDP' if written_sharded else ' DDP'} run (sharded state) and this run "
             f"{'shards the model with FSDP' if sharded else 'does not shard the model'}: resume it with the "
             "accelerate config that wrote it"
@@ -222,7 +222,7 @@ def check_resume(path: Path, current: dict, world_size: int,
                 *(f"random_states_{rank}.pkl" for rank in range(world_size))]
     missing = [name for name in expected if not (path / name).is_file()]
     if missing:
-        raise ConfigError(f"{path}: not a checkpoint of this mlm_ddp version, or damaged: missing "
+        raise BadInput(f"{path}: not a checkpoint of this mlm_ddp version, or damaged: missing "
                           f"{', '.join(missing)}")
     if sharded:
         for folder in SHARDED_DIRS:
@@ -230,12 +230,12 @@ def check_resume(path: Path, current: dict, world_size: int,
     try:
         saved = yaml.safe_load((path / "config.yaml").read_text())
     except yaml.YAMLError as err:
-        raise ConfigError(f"{path / 'config.yaml'}: unreadable ({err})") from err
+        raise BadInput(f"{path / 'config.yaml'}: unreadable ({err})") from err
     changes = config_changes(saved if isinstance(saved, dict) else {}, current)
     refused = {k: v for k, v in changes.items() if k not in RESUMABLE_CHANGES}
     if refused:
         listed = "; ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in refused.items())
-        raise ConfigError(
+        raise BadInput(
             f"{path} was written with other settings ({listed}). They change what a step computes, so "
             "the resumed run would not continue the same training: resume with the checkpoint's "
             "settings (its config.yaml), or start a new run in another --output_dir"
@@ -255,7 +255,7 @@ def read_data_state(path: Path, rank: int) -> dict | None:
     try:
         return json.loads(file.read_text())
     except ValueError as err:
-        raise ConfigError(f"{file}: unreadable stream position ({err})") from err
+        raise BadInput(f"{file}: unreadable stream position ({err})") from err
 
 
 def temp_dir(output_dir: str | Path, step: int) -> Path:

@@ -21,9 +21,7 @@ from typing import Any, Literal
 import yaml
 from transformers import HfArgumentParser
 
-
-class ConfigError(ValueError):
-    """A bad value a user can fix; the message names the value and the fix (exit code 2)."""
+from mlm_ddp.errors import BadInput
 
 
 def _doc(text: str, **kwargs: Any) -> Any:
@@ -70,7 +68,7 @@ class ModelConfig:
         if self.config_overrides is not None:
             for item in self.config_overrides.split(","):
                 if "=" not in item or not item.split("=", 1)[0].strip():
-                    raise ConfigError(
+                    raise BadInput(
                         f"--config_overrides item {item!r} is not of the form key=value "
                         "(e.g. 'hidden_dropout_prob=0,attention_probs_dropout_prob=0')"
                     )
@@ -128,27 +126,27 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         if not 0.0 < self.mlm_probability < 1.0:
-            raise ConfigError(
+            raise BadInput(
                 f"--mlm_probability must be strictly between 0 and 1, got {self.mlm_probability} "
                 "(the usual value is 0.15)"
             )
         if self.max_seq_length < 8:
-            raise ConfigError(f"--max_seq_length must be at least 8, got {self.max_seq_length}")
+            raise BadInput(f"--max_seq_length must be at least 8, got {self.max_seq_length}")
         if not 0.0 <= self.validation_split_percentage < 100.0:
-            raise ConfigError(
+            raise BadInput(
                 "--validation_split_percentage must be in [0, 100), got "
                 f"{self.validation_split_percentage}"
             )
         if self.dataset_name is not None and self.train_file is not None:
-            raise ConfigError("give either --dataset_name or --train_file, not both")
+            raise BadInput("give either --dataset_name or --train_file, not both")
         for name in ("max_train_samples", "max_eval_samples", "preprocessing_num_workers"):
             value = getattr(self, name)
             if value is not None and value < 1:
-                raise ConfigError(f"--{name} must be at least 1, got {value}")
+                raise BadInput(f"--{name} must be at least 1, got {value}")
         if self.shuffle_buffer_size < 1:
-            raise ConfigError(f"--shuffle_buffer_size must be at least 1, got {self.shuffle_buffer_size}")
+            raise BadInput(f"--shuffle_buffer_size must be at least 1, got {self.shuffle_buffer_size}")
         if self.dataloader_num_workers < 0:
-            raise ConfigError(f"--dataloader_num_workers must be >= 0, got {self.dataloader_num_workers}")
+            raise BadInput(f"--dataloader_num_workers must be >= 0, got {self.dataloader_num_workers}")
 
 
 @dataclass
@@ -198,17 +196,17 @@ class TrainingConfig:
     def __post_init__(self) -> None:
         for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps"):
             if getattr(self, name) < 1:
-                raise ConfigError(f"--{name} must be at least 1, got {getattr(self, name)}")
+                raise BadInput(f"--{name} must be at least 1, got {getattr(self, name)}")
         if self.learning_rate <= 0:
-            raise ConfigError(f"--learning_rate must be positive, got {self.learning_rate}")
+            raise BadInput(f"--learning_rate must be positive, got {self.learning_rate}")
         if self.weight_decay < 0 or self.max_grad_norm < 0 or self.num_warmup_steps < 0:
-            raise ConfigError("--weight_decay, --max_grad_norm and --num_warmup_steps must be >= 0")
+            raise BadInput("--weight_decay, --max_grad_norm and --num_warmup_steps must be >= 0")
         if self.num_train_epochs <= 0:
-            raise ConfigError(f"--num_train_epochs must be positive, got {self.num_train_epochs}")
+            raise BadInput(f"--num_train_epochs must be positive, got {self.num_train_epochs}")
         if self.cpu_threads is not None and self.cpu_threads < 1:
-            raise ConfigError(f"--cpu_threads must be at least 1, got {self.cpu_threads}")
+            raise BadInput(f"--cpu_threads must be at least 1, got {self.cpu_threads}")
         if self.max_train_steps is not None and self.max_train_steps < 1:
-            raise ConfigError(f"--max_train_steps must be at least 1, got {self.max_train_steps}")
+            raise BadInput(f"--max_train_steps must be at least 1, got {self.max_train_steps}")
 
 
 @dataclass
@@ -277,29 +275,29 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         if not self.output_dir:
-            raise ConfigError("--output_dir must not be empty")
+            raise BadInput("--output_dir must not be empty")
         if self.logging_steps < 1:
-            raise ConfigError(f"--logging_steps must be at least 1, got {self.logging_steps}")
+            raise BadInput(f"--logging_steps must be at least 1, got {self.logging_steps}")
         if self.eval_steps is not None and self.eval_steps < 1:
-            raise ConfigError(f"--eval_steps must be at least 1, got {self.eval_steps}")
+            raise BadInput(f"--eval_steps must be at least 1, got {self.eval_steps}")
         if self.save_total_limit is not None and self.save_total_limit < 1:
-            raise ConfigError(f"--save_total_limit must be at least 1, got {self.save_total_limit}")
+            raise BadInput(f"--save_total_limit must be at least 1, got {self.save_total_limit}")
         if self.checkpointing_steps is not None:
             value = str(self.checkpointing_steps)
             if value != "epoch" and not (value.isdigit() and int(value) > 0):
-                raise ConfigError(
+                raise BadInput(
                     f"--checkpointing_steps must be a positive integer or 'epoch', got {value!r}"
                 )
             self.checkpointing_steps = value
         for name in self.signal_names():
             if not hasattr(signal, name) or name in ("SIGKILL", "SIGSTOP"):
-                raise ConfigError(f"--stop_signals: {name!r} is not a signal that can be caught; "
+                raise BadInput(f"--stop_signals: {name!r} is not a signal that can be caught; "
                                   "use names like SIGTERM,SIGUSR1")
         timeouts = {"--ddp_timeout": self.ddp_timeout, "--preprocessing_timeout": self.preprocessing_timeout,
                     "--save_timeout": self.save_timeout}
         for flag, value in timeouts.items():
             if value < 1:
-                raise ConfigError(f"{flag} must be at least 1 second, got {value}")
+                raise BadInput(f"{flag} must be at least 1 second, got {value}")
 
     def signal_names(self) -> list[str]:
         return [n.strip().upper() for n in self.stop_signals.split(",") if n.strip()]
@@ -326,11 +324,11 @@ class Config:
         for section in (self.model, self.data, self.training, self.run):
             _check_choices(section)
         if self.data.streaming and self.training.max_train_steps is None:
-            raise ConfigError(
+            raise BadInput(
                 "--streaming needs --max_train_steps: a stream has no length to count epochs by"
             )
         if self.data.streaming and self.run.checkpointing_steps == "epoch":
-            raise ConfigError(
+            raise BadInput(
                 "--checkpointing_steps epoch does not work with --streaming: a stream's epoch end is "
                 "only known once it is reached; give a number of steps"
             )
@@ -350,7 +348,7 @@ def _check_choices(section: Any) -> None:
             choices = tuple(yaml.safe_load("[" + f.type[len("Literal["):-1] + "]"))
         value = getattr(section, f.name)
         if choices and value not in choices:
-            raise ConfigError(f"--{f.name} must be one of {', '.join(map(str, choices))}; got {value!r}")
+            raise BadInput(f"--{f.name} must be one of {', '.join(map(str, choices))}; got {value!r}")
 
 
 def _field_owner() -> dict[str, str]:
@@ -368,7 +366,7 @@ def _flatten_recipe(recipe: Any, source: str) -> dict[str, Any]:
     if recipe is None:
         return {}
     if not isinstance(recipe, dict):
-        raise ConfigError(f"{source}: expected a mapping of config keys, got {type(recipe).__name__}")
+        raise BadInput(f"{source}: expected a mapping of config keys, got {type(recipe).__name__}")
     owner = _field_owner()
     flat: dict[str, Any] = {}
 
@@ -376,14 +374,14 @@ def _flatten_recipe(recipe: Any, source: str) -> dict[str, Any]:
         if key not in owner:
             close = difflib.get_close_matches(key, list(owner), n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise ConfigError(f"{source}: unknown key {where}{key!r}{hint}")
+            raise BadInput(f"{source}: unknown key {where}{key!r}{hint}")
         flat[key] = value
 
     for key, value in recipe.items():
         if key in SECTIONS and isinstance(value, dict):
             for sub_key, sub_value in value.items():
                 if owner.get(sub_key, key) != key:
-                    raise ConfigError(
+                    raise BadInput(
                         f"{source}: key {key}.{sub_key} belongs in section {owner[sub_key]!r}"
                     )
                 put(sub_key, sub_value, f"{key}.")
@@ -396,11 +394,11 @@ def load_recipe(path: str | Path) -> dict[str, Any]:
     """Read a YAML recipe into flat field values, with errors that name the file and key."""
     path = Path(path)
     if not path.is_file():
-        raise ConfigError(f"--config {path}: no such file")
+        raise BadInput(f"--config {path}: no such file")
     try:
         recipe = yaml.safe_load(path.read_text())
     except yaml.YAMLError as err:
-        raise ConfigError(f"--config {path}: not valid YAML: {err}") from err
+        raise BadInput(f"--config {path}: not valid YAML: {err}") from err
     return _flatten_recipe(recipe, str(path))
 
 
@@ -418,7 +416,7 @@ def make_parser() -> HfArgumentParser:
 
 
 def from_dict(values: dict[str, Any]) -> Config:
-    """A Config from flat or nested values, validated (ConfigError on a bad or unknown value)."""
+    """A Config from flat or nested values, validated (BadInput on a bad or unknown value)."""
     flat = _flatten_recipe(values, "config")
     owner = _field_owner()
     sections: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
@@ -427,14 +425,14 @@ def from_dict(values: dict[str, Any]) -> Config:
     try:
         built = {name: SECTIONS[name](**kw) for name, kw in sections.items()}
     except TypeError as err:
-        raise ConfigError(str(err)) from err
+        raise BadInput(str(err)) from err
     return Config(**built)
 
 
 def parse_args(argv: list[str] | None = None) -> Config:
     """Flags and/or `--config recipe.yaml` -> a validated Config (flags win over the recipe).
 
-    argparse errors (an unknown flag, a wrong type) exit with status 2, as ConfigError does in main().
+    argparse errors (an unknown flag, a wrong type) exit with status 2, as BadInput does in main().
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = make_parser()

@@ -43,7 +43,8 @@ from datasets import Dataset, DatasetDict, IterableDataset, IterableDatasetDict,
 from datasets.distributed import split_dataset_by_node
 from torch.utils.data import DataLoader, Sampler
 
-from mlm_ddp.config import ConfigError, DataConfig
+from mlm_ddp.config import DataConfig
+from mlm_ddp.errors import BadInput
 
 SUFFIX_BUILDERS = {".txt": "text", ".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
 EMBEDDED_CORPUS = "python-docs"
@@ -69,20 +70,20 @@ def _builder_for(path_str: str, flag: str) -> str:
     path = Path(path_str)
     suffix = path.suffix.lower()
     if suffix not in SUFFIX_BUILDERS:
-        raise ConfigError(
+        raise BadInput(
             f"{flag} {path}: unknown file extension {suffix or '(none)'!r}; use one of "
             f"{', '.join(sorted(SUFFIX_BUILDERS))}"
         )
     if not path.is_file():
-        raise ConfigError(f"{flag} {path}: no such file")
+        raise BadInput(f"{flag} {path}: no such file")
     if path.stat().st_size == 0:
-        raise ConfigError(f"{flag} {path}: the file is empty")
+        raise BadInput(f"{flag} {path}: the file is empty")
     return SUFFIX_BUILDERS[suffix]
 
 
 def _check_columns(columns: list[str] | None, text_column: str, source: str) -> None:
     if columns is not None and text_column not in columns:
-        raise ConfigError(
+        raise BadInput(
             f"{source}: no text column {text_column!r}; columns found: {', '.join(columns)}. "
             "Pass --text_column with one of them."
         )
@@ -93,7 +94,7 @@ def _first_columns(ds: IterableDataset, source: str) -> list[str]:
     try:
         first = next(iter(ds))
     except StopIteration:
-        raise ConfigError(f"{source}: holds no texts") from None
+        raise BadInput(f"{source}: holds no texts") from None
     return list(first)
 
 
@@ -114,7 +115,7 @@ def load_text(cfg: DataConfig, seed: int) -> tuple[AnyDataset, AnyDataset | None
         builder = _builder_for(cfg.train_file, "--train_file")
         if cfg.validation_file is not None:
             if _builder_for(cfg.validation_file, "--validation_file") != builder:
-                raise ConfigError("--train_file and --validation_file must have the same format")
+                raise BadInput("--train_file and --validation_file must have the same format")
             data_files["validation"] = cfg.validation_file
         splits = _load(builder, None, data_files, cfg.streaming, f"--train_file {cfg.train_file}")
         source = cfg.train_file
@@ -123,9 +124,9 @@ def load_text(cfg: DataConfig, seed: int) -> tuple[AnyDataset, AnyDataset | None
                        f"--dataset_name {cfg.dataset_name}")
         source = f"dataset {cfg.dataset_name!r}"
         if "train" not in splits:
-            raise ConfigError(f"{source} has no 'train' split; splits found: {', '.join(splits)}")
+            raise BadInput(f"{source} has no 'train' split; splits found: {', '.join(splits)}")
         if cfg.validation_file is not None:
-            raise ConfigError("--validation_file goes with --train_file, not with --dataset_name")
+            raise BadInput("--validation_file goes with --train_file, not with --dataset_name")
 
     train = splits["train"]
     evaluation = splits.get("validation")
@@ -141,7 +142,7 @@ def load_text(cfg: DataConfig, seed: int) -> tuple[AnyDataset, AnyDataset | None
         else:
             _check_columns(ds.column_names, cfg.text_column, where)
             if len(ds) == 0:
-                raise ConfigError(f"{where}: holds no texts")
+                raise BadInput(f"{where}: holds no texts")
 
     if evaluation is None and cfg.validation_split_percentage > 0:
         if isinstance(train, IterableDataset):
@@ -149,7 +150,7 @@ def load_text(cfg: DataConfig, seed: int) -> tuple[AnyDataset, AnyDataset | None
             train, evaluation = train.skip(n_eval), train.take(n_eval)
         else:
             if len(train) < 2:
-                raise ConfigError(f"{source}: needs at least 2 texts to hold some out for evaluation")
+                raise BadInput(f"{source}: needs at least 2 texts to hold some out for evaluation")
             parts = train.train_test_split(
                 test_size=cfg.validation_split_percentage / 100.0, shuffle=True, seed=seed
             )
@@ -171,12 +172,12 @@ def _load(path: str, name: str | None, data_files: dict | None, streaming: bool,
     try:
         loaded = load_dataset(path, name, data_files=data_files, streaming=streaming)
     except (FileNotFoundError, ConnectionError, ValueError, OSError) as err:
-        raise ConfigError(
+        raise BadInput(
             f"{flag}: could not be loaded ({type(err).__name__}: {err}). A Hub name needs network "
             "access (unset HF_HUB_OFFLINE); a local file needs a readable path."
         ) from err
     if not isinstance(loaded, (DatasetDict, IterableDatasetDict)):
-        raise ConfigError(f"{flag}: expected named splits, got {type(loaded).__name__}")
+        raise BadInput(f"{flag}: expected named splits, got {type(loaded).__name__}")
     return dict(loaded)
 
 
@@ -261,7 +262,7 @@ class EpochBatchSampler(Sampler[list[int]]):
     def __init__(self, num_samples: int, batch_size: int, rank: int, world_size: int,
                  seed: int, shuffle: bool = True) -> None:
         if num_samples < 1:
-            raise ConfigError("the training data packs into zero blocks: give it more text")
+            raise BadInput("the training data packs into zero blocks: give it more text")
         self.num_samples, self.batch_size = num_samples, batch_size
         self.rank, self.world_size = rank, world_size
         self.seed, self.shuffle = seed, shuffle
@@ -534,7 +535,7 @@ def check_stream_resume(datasets_version: str) -> None:
     """Refuse a stream resume that would silently skip texts (a datasets older than pyproject allows)."""
     release = tuple(int(part) for part in datasets_version.split(".")[:2] if part.isdigit())
     if release < STREAM_RESUME_DATASETS:
-        raise ConfigError(
+        raise BadInput(
             f"resuming a --streaming run needs datasets >= {'.'.join(map(str, STREAM_RESUME_DATASETS))} "
             f"(installed: {datasets_version}): older versions skip a text at every resume; upgrade datasets"
         )
@@ -650,7 +651,7 @@ class TrainFeed:
     read in that epoch: at each epoch end one more collective (`gather`: every rank's numbers, in
     rank order; None when this is the only process) collects what each rank read into
     `last_epoch_end`. An epoch that ends before any rank filled one window can never train: all
-    ranks raise the same ConfigError there, instead of starting the next epoch forever.
+    ranks raise the same BadInput there, instead of starting the next epoch forever.
     """
 
     def __init__(self, loader: DataLoader, collator: Any, accumulation: int, epoch: int, start: int,
@@ -730,7 +731,7 @@ class TrainFeed:
             # some rank ran out: its epoch ends here, and so does everyone's (every rank is here)
             end = self._epoch_end(len(window))
             if self.index == 0:  # not one step in a whole epoch: the next epochs would end alike
-                raise ConfigError(too_small_for_a_step(end, self.accumulation, self.loader.batch_size))
+                raise BadInput(too_small_for_a_step(end, self.accumulation, self.loader.batch_size))
             self.dropped_batches += len(window)
             self.last_epoch_batches = self.index
             self.last_epoch_end = end

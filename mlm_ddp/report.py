@@ -24,7 +24,7 @@ from typing import Any
 
 import yaml
 
-from mlm_ddp.config import ConfigError
+from mlm_ddp.errors import BadInput
 
 MARKER = "<!-- written by mlm_ddp.report -->"  # a page without it is never overwritten
 # settings that name or place a run rather than change what it trains
@@ -66,7 +66,7 @@ class Run:
 def read_metrics(path: Path) -> list[dict[str, Any]]:
     """The records of a metrics.jsonl; a clear error naming the file and line for anything else."""
     if not path.is_file():
-        raise ConfigError(f"{path} does not exist: {path.parent} is not an mlm_ddp output folder, or its run "
+        raise BadInput(f"{path} does not exist: {path.parent} is not an mlm_ddp output folder, or its run "
                           "has not logged a step yet")
     records = []
     for number, line in enumerate(path.read_text(errors="replace").splitlines(), start=1):
@@ -75,14 +75,14 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
         try:
             record = json.loads(line)
         except json.JSONDecodeError as err:
-            raise ConfigError(f"{path} line {number}: not valid JSON ({err.msg} at column {err.colno}); "
+            raise BadInput(f"{path} line {number}: not valid JSON ({err.msg} at column {err.colno}); "
                               "a run killed while writing leaves a cut last line: delete that line") from err
         if not isinstance(record, dict) or not isinstance(record.get("step"), int):
-            raise ConfigError(f"{path} line {number}: not a metrics record (a JSON object with an integer "
+            raise BadInput(f"{path} line {number}: not a metrics record (a JSON object with an integer "
                               f"'step'): {line[:80]!r}")
         records.append(record)
     if not records:
-        raise ConfigError(f"{path} is empty: the run has not logged anything yet (it logs every "
+        raise BadInput(f"{path} is empty: the run has not logged anything yet (it logs every "
                           "--logging_steps optimizer steps)")
     return records
 
@@ -93,7 +93,7 @@ def read_json(path: Path) -> dict[str, Any] | None:
     try:
         return json.loads(path.read_text())
     except json.JSONDecodeError as err:
-        raise ConfigError(f"{path}: not valid JSON ({err.msg}, line {err.lineno})") from err
+        raise BadInput(f"{path}: not valid JSON ({err.msg}, line {err.lineno})") from err
 
 
 def read_settings(path: Path) -> dict[str, Any] | None:
@@ -103,9 +103,9 @@ def read_settings(path: Path) -> dict[str, Any] | None:
     try:
         tree = yaml.safe_load(path.read_text())
     except yaml.YAMLError as err:
-        raise ConfigError(f"{path}: not valid YAML ({err})") from err
+        raise BadInput(f"{path}: not valid YAML ({err})") from err
     if not isinstance(tree, dict):
-        raise ConfigError(f"{path}: not an mlm_ddp config (expected sections model/data/training/run)")
+        raise BadInput(f"{path}: not an mlm_ddp config (expected sections model/data/training/run)")
     return {k: v for section in tree.values() if isinstance(section, dict) for k, v in section.items()}
 
 
@@ -119,7 +119,7 @@ def read_runs(folders: Sequence[str | Path]) -> list[Run]:
     paths = [Path(f) for f in folders]
     for path in paths:
         if not path.is_dir():
-            raise ConfigError(f"{path} is not a folder: pass the --output_dir of a run")
+            raise BadInput(f"{path} is not a folder: pass the --output_dir of a run")
     return [
         Run(path, name, read_metrics(path / "metrics.jsonl"), read_settings(path / "config.yaml"),
             read_json(path / "summary.json"), read_json(path / "stopped.json"))
@@ -307,13 +307,13 @@ def write_report(folders: Sequence[str | Path], out: str | Path | None = None) -
     runs = read_runs(folders)
     out = Path(out) if out is not None else default_out(folders)
     if out.suffix != ".html":
-        raise ConfigError(f"--out {out}: name the report page with .html (its plots go beside it)")
+        raise BadInput(f"--out {out}: name the report page with .html (its plots go beside it)")
     if out.exists() and (not out.is_file() or MARKER not in out.read_text(errors="replace")[:200]):
-        raise ConfigError(f"--out {out} exists and is not a page mlm_ddp.report wrote: choose another --out, "
+        raise BadInput(f"--out {out} exists and is not a page mlm_ddp.report wrote: choose another --out, "
                           "or delete it yourself")
     plots = out.with_name(out.stem + "_plots")
     if plots.exists() and not plots.is_dir():
-        raise ConfigError(f"{plots} exists and is not a folder; the report's plots go there: remove it or "
+        raise BadInput(f"{plots} exists and is not a folder; the report's plots go there: remove it or "
                           "choose another --out")
     flags = differences(runs)
     labels = [label(run, flags) for run in runs]
@@ -337,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
         out, summary = write_report(args.runs, args.out)
-    except ConfigError as err:
+    except BadInput as err:
         print(f"mlm_ddp.report: error: {err}", file=sys.stderr)
         return 2
     print(summary)

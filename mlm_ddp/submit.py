@@ -12,7 +12,7 @@ requeued job reruns this same task with `--resume_from_checkpoint auto`.
 
 Every attempt resumes `--output_dir`, so `--overwrite_output_dir` is refused before submission. A run
 that already finished ends as a success (its summary.json is the result). Bad input found on the
-cluster (a ConfigError) ends every task with one line and exit 2, never a traceback or a requeue.
+cluster (a BadInput) ends every task with one line and exit 2, never a traceback or a requeue.
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ from pathlib import Path
 from typing import Any
 
 from mlm_ddp import distributed as dist
-from mlm_ddp.config import ConfigError, parse_args
+from mlm_ddp.config import parse_args
+from mlm_ddp.errors import BadInput
 from mlm_ddp.train import EXIT_BAD_INPUT, EXIT_REQUEUE, AlreadyFinished, Preempted, setup_logging, train
 
 CLUSTERS = ("slurm", "local", "debug")
@@ -54,7 +55,7 @@ class TrainTask:
             print(f"mlm_ddp.submit: --output_dir {cfg.run.output_dir} holds a finished run ({summary['steps']} "
                   "steps): nothing to do", file=sys.stderr, flush=True)
             return summary
-        except ConfigError as err:
+        except BadInput as err:
             # bad input seen only on the cluster: it fails the same way on every attempt, so one line
             # and exit 2 on every task, and no requeue
             line = f"{BAD_INPUT_PREFIX}{err}"
@@ -143,11 +144,11 @@ def parser() -> argparse.ArgumentParser:
 
 def check_submit_args(args: argparse.Namespace) -> None:
     if args.nodes < 1:
-        raise ConfigError(f"--nodes must be at least 1, got {args.nodes}")
+        raise BadInput(f"--nodes must be at least 1, got {args.nodes}")
     if args.gpus_per_node < 0 or args.procs_per_node < 1:
-        raise ConfigError("--gpus_per_node must be >= 0 and --procs_per_node >= 1")
+        raise BadInput("--gpus_per_node must be >= 0 and --procs_per_node >= 1")
     if args.cluster != "slurm" and (args.nodes > 1 or args.gpus_per_node > 1 or args.procs_per_node > 1):
-        raise ConfigError(f"--cluster {args.cluster} runs one process on this machine: use --nodes 1 and "
+        raise BadInput(f"--cluster {args.cluster} runs one process on this machine: use --nodes 1 and "
                           "one process, or --cluster slurm")
 
 
@@ -158,7 +159,7 @@ def writable_job_dir(path: Path) -> Path:
         probe.write_text("")
         probe.unlink()
     except OSError as err:
-        raise ConfigError(f"--job_dir {path}: cannot be written ({err.strerror or err})") from err
+        raise BadInput(f"--job_dir {path}: cannot be written ({err.strerror or err})") from err
     return path
 
 
@@ -168,12 +169,12 @@ def submit(args: argparse.Namespace, train_argv: list[str]) -> Any:
     cfg = parse_args(train_argv)  # every training flag checked here, before anything is submitted
     if cfg.run.overwrite_output_dir:
         out = cfg.run.output_dir
-        raise ConfigError(f"--overwrite_output_dir: every attempt of this job, requeues included, resumes "
+        raise BadInput(f"--overwrite_output_dir: every attempt of this job, requeues included, resumes "
                           f"--output_dir {out} (--resume_from_checkpoint auto), so it cannot erase it; remove "
                           f"{out} yourself or choose another --output_dir, and submit without --overwrite_output_dir")
     for flag, value in (("--train_file", cfg.data.train_file), ("--validation_file", cfg.data.validation_file)):
         if value is not None and not Path(value).is_file():
-            raise ConfigError(f"{flag} {value}: no such file (the job would fail on it)")
+            raise BadInput(f"{flag} {value}: no such file (the job would fail on it)")
     job_dir = writable_job_dir(Path(args.job_dir or Path(cfg.run.output_dir) / "submitit"))
     tasks = args.gpus_per_node or args.procs_per_node
     executor = submitit.AutoExecutor(folder=job_dir / "%j", cluster=args.cluster)
@@ -198,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         check_submit_args(args)
         job = submit(args, train_argv)
-    except ConfigError as err:
+    except BadInput as err:
         print(f"mlm_ddp.submit: error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
     print(f"submitted job {job.job_id} ({args.nodes} node(s))")

@@ -36,22 +36,34 @@ from transformers import get_scheduler
 
 from mlm_ddp import checkpoint as ckpt
 from mlm_ddp import data as mdata
-from mlm_ddp import distributed as dist
-from mlm_ddp.config import Config, ConfigError, parse_args
+from mlm_ddp import distributed
+from mlm_ddp.config import Config, parse_args
+from mlm_ddp.distributed import MainProcessWait, check_fsdp_plugin, patient_main_process_first
+from mlm_ddp.errors import (
+    EXIT_FAILED,
+    EXIT_REQUEUE,
+    AlreadyFinished,
+    BadInput,
+    CheckpointWriteError,
+    NonFiniteLoss,
+    Preempted,
+    RunEnded,
+)
 from mlm_ddp.masking import EVAL_SPLIT, IGNORE_INDEX, TRAIN_SPLIT, MaskingCollator
 from mlm_ddp.model import (
-    MLM_HEAD_ATTRIBUTES,
-    MaskedLMLoss,
+    build_optimizer,
     check_tied,
-    fsdp_wrap_classes,
+    configure_fsdp_units,
     inner_state_dict,
     load_model,
     load_model_config,
     load_tokenizer,
     max_positions,
     tied_parameters,
+    wrap_model,
 )
 from mlm_ddp.report import write_report
+from mlm_ddp.step import masked_tokens, train_step
 
 logger = get_logger(__name__)
 METRIC_MODULE = str(Path(__file__).parent / "metrics" / "masked_lm")
@@ -60,33 +72,6 @@ RUN_OUTPUTS = ("config.yaml", "metrics.jsonl", "summary.json", "final", "checkpo
                "report.html", "report_plots")
 KNOWN_TRACKERS = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}  # name -> module
 TRACKING_PROJECT = "mlm_ddp"  # the wandb project, the MLflow experiment
-# Exit codes of `main`, for launchers and schedulers. 75 is sysexits' EX_TEMPFAIL: "try again later".
-EXIT_BAD_INPUT, EXIT_NONFINITE, EXIT_REQUEUE, EXIT_FAILED = 2, 3, 75, 1
-
-
-class Preempted(Exception):
-    """A stop signal arrived; every process saved the same checkpoint. Exit EXIT_REQUEUE.
-
-    `signal_name` is the signal this process received (None: another process received one), so that a
-    launcher can requeue on its scheduler's warning signal only, never on a cancel's SIGTERM."""
-
-    def __init__(self, message: str, signal_name: str | None = None) -> None:
-        super().__init__(message)
-        self.signal_name = signal_name
-
-
-class NonFiniteLoss(Exception):
-    """Gradients were NaN or inf and --on_nonfinite_loss is 'stop'. Exit EXIT_NONFINITE."""
-
-
-class AlreadyFinished(Exception):
-    """--resume_from_checkpoint auto on a run that finished: nothing to do (exit 0)."""
-
-
-class CheckpointWriteError(Exception):
-    """A checkpoint could not be written (disk full, ...); the previous complete one is intact."""
-
-
 class StopSignals:
     """Remembers the first stop signal. The handler only sets a flag, so the loop decides when to
     stop (at an optimizer-step boundary, all ranks together) and a second signal during the save
@@ -194,19 +179,19 @@ def check_output_dir(cfg: Config) -> OutputPlan:
     """Refuse to clobber another run unasked, whatever the resume source; say what to resume from."""
     out = Path(cfg.run.output_dir)
     if out.exists() and not out.is_dir():
-        raise ConfigError(f"--output_dir {out} exists and is not a folder")
+        raise BadInput(f"--output_dir {out} exists and is not a folder")
     spec, overwrite = cfg.run.resume_from_checkpoint, cfg.run.overwrite_output_dir
     earlier = _earlier_outputs(out)
     if spec == "auto":
         if overwrite:
-            raise ConfigError("--resume_from_checkpoint auto and --overwrite_output_dir contradict each other")
+            raise BadInput("--resume_from_checkpoint auto and --overwrite_output_dir contradict each other")
         if finished_summary(out) is not None:
             raise AlreadyFinished(f"--output_dir {out} holds a finished run: nothing to do")
         done = ckpt.complete_checkpoints(out)
         if done:
             return OutputPlan(done[-1], clear_earlier=False, own_checkpoint=True)
         if earlier and not _is_same_run(out, cfg):
-            raise ConfigError(
+            raise BadInput(
                 f"--resume_from_checkpoint auto: --output_dir {out} holds another run ({', '.join(earlier)}; "
                 "its config.yaml differs) that saved no checkpoint; choose another --output_dir, or remove "
                 "that folder if it is not needed"
@@ -217,10 +202,10 @@ def check_output_dir(cfg: Config) -> OutputPlan:
         path = ckpt.resolve_resume(spec, out)
         own = out.resolve() in path.resolve().parents
         if own and overwrite:
-            raise ConfigError(f"--resume_from_checkpoint {spec} lies in --output_dir {out}, which "
+            raise BadInput(f"--resume_from_checkpoint {spec} lies in --output_dir {out}, which "
                               "--overwrite_output_dir would delete: drop one of the two")
         if not own and earlier and not overwrite:
-            raise ConfigError(
+            raise BadInput(
                 f"--output_dir {out} holds another run ({', '.join(earlier)}); continuing {path} there would "
                 "overwrite its metrics, checkpoints and model: choose an empty --output_dir, or pass "
                 "--overwrite_output_dir to replace that run"
@@ -228,14 +213,14 @@ def check_output_dir(cfg: Config) -> OutputPlan:
         return OutputPlan(path, clear_earlier=overwrite and bool(earlier), own_checkpoint=own)
     if earlier and not overwrite:
         if finished_summary(out) is not None or (out / "final").exists():
-            raise ConfigError(
+            raise BadInput(
                 f"--output_dir {out} already holds a finished run; pass --overwrite_output_dir to "
                 "replace it, or choose another --output_dir"
             )
         done = ckpt.complete_checkpoints(out)
         hint = (f"pass --resume_from_checkpoint latest to continue from {done[-1].name}, or "
                 if done else "pass ")
-        raise ConfigError(
+        raise BadInput(
             f"--output_dir {out} already holds an unfinished run ({', '.join(earlier)}); "
             f"{hint}--overwrite_output_dir to start over"
         )
@@ -249,11 +234,11 @@ def check_trackers(cfg: Config) -> list[str]:
     chosen = []
     for name in (n.strip() for n in names):
         if name not in KNOWN_TRACKERS:
-            raise ConfigError(f"--report_to {name!r}: unknown tracker; use {', '.join(KNOWN_TRACKERS)} or all")
+            raise BadInput(f"--report_to {name!r}: unknown tracker; use {', '.join(KNOWN_TRACKERS)} or all")
         if importlib.util.find_spec(KNOWN_TRACKERS[name]) is None:
             if cfg.run.report_to == "all":
                 continue
-            raise ConfigError(f"--report_to {name}: the package {name!r} is not installed (pip install {name}, "
+            raise BadInput(f"--report_to {name}: the package {name!r} is not installed (pip install {name}, "
                               "or pip install 'mlm_ddp[tracking]' for wandb and MLflow)")
         chosen.append(name)
     return chosen
@@ -332,7 +317,7 @@ def evaluate_mlm(model: torch.nn.Module, loader: DataLoader | None, accelerator:
 
 def read_metrics_lines(path: Path) -> list[tuple[str, dict[str, Any]]]:
     """(line, record) of each line of a metrics.jsonl. A cut last line (a run killed while writing
-    it) is dropped; any other broken line is a ConfigError naming it, raised in the preflight on every
+    it) is dropped; any other broken line is a BadInput naming it, raised in the preflight on every
     rank alike, never on the main process alone while the others wait in a collective."""
     lines = path.read_text().splitlines()
     kept = []
@@ -344,10 +329,10 @@ def read_metrics_lines(path: Path) -> list[tuple[str, dict[str, Any]]]:
         except ValueError:
             if number == len(lines):
                 continue
-            raise ConfigError(f"{path} line {number}: not valid JSON; repair or delete that line, then resume "
+            raise BadInput(f"{path} line {number}: not valid JSON; repair or delete that line, then resume "
                               "again") from None
         if not isinstance(record, dict):
-            raise ConfigError(f"{path} line {number}: not a JSON object; repair or delete that line")
+            raise BadInput(f"{path} line {number}: not a JSON object; repair or delete that line")
         kept.append((line, record))
     return kept
 
@@ -375,36 +360,6 @@ class MetricsFile:
                 return {"loss": record["eval_loss"], "perplexity": record["perplexity"],
                         "accuracy": record["eval_accuracy"]}
         return None
-
-
-class MainProcessWait:
-    """The collectives in which the other processes wait while the main process alone works (the
-    files of a checkpoint, final/, removing an earlier run, tokenizing): on a gloo group of their own
-    with a long timeout (--save_timeout, --preprocessing_timeout), so that --ddp_timeout can stay
-    short for the training collectives (DESIGN.md, pitfall 14). Every rank must call each method at
-    the same point."""
-
-    def __init__(self, accelerator: Accelerator, timeout_s: int) -> None:
-        self.group = None
-        if accelerator.num_processes > 1:
-            self.group = torch.distributed.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
-
-    def barrier(self) -> None:
-        if self.group is not None:
-            torch.distributed.barrier(group=self.group)
-
-    def close(self) -> None:
-        if self.group is not None:
-            torch.distributed.destroy_process_group(self.group)
-            self.group = None
-
-    def any(self, flag: bool) -> bool:
-        """True on every rank when `flag` is true on any rank."""
-        if self.group is None:
-            return flag
-        votes = torch.tensor([float(flag)])  # gloo: a CPU tensor, also next to NCCL
-        torch.distributed.all_reduce(votes, group=self.group)
-        return votes.item() > 0
 
 
 def save_checkpoint(accelerator: Accelerator, wait: MainProcessWait, cfg: Config, state: ckpt.TrainerState,
@@ -506,79 +461,8 @@ def restore(accelerator: Accelerator, path: Path, scheduler: Any, accepted_chang
     except torch.distributed.DistError:
         raise
     except Exception as err:  # safetensors, torch.load and load_state_dict each have their own types
-        raise ConfigError(f"{path}: cannot be resumed from ({type(err).__name__}: {str(err)[:400]}); it is "
+        raise BadInput(f"{path}: cannot be resumed from ({type(err).__name__}: {str(err)[:400]}); it is "
                           "damaged, from another model, or not written by mlm_ddp") from err
-
-
-@contextmanager
-def patient_main_process_first(accelerator: Accelerator, timeout_s: int) -> Iterator[None]:
-    """Like accelerate's main_process_first, but the others wait on a group of their own with a long
-    timeout: tokenizing a large corpus must not trip --ddp_timeout (transformers #17106)."""
-    wait = MainProcessWait(accelerator, timeout_s)
-    if not accelerator.is_main_process:
-        wait.barrier()
-    yield
-    if accelerator.is_main_process:
-        wait.barrier()
-    wait.close()
-
-
-def build_optimizer(model: torch.nn.Module, cfg: Config) -> torch.optim.Optimizer:
-    """AdamW (--optimizer_impl); biases and normalisation weights (tensors with < 2 dims) get no weight decay."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    groups = [
-        {"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.training.weight_decay},
-        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
-    ]
-    t = cfg.training
-    impl = {"fused": {"fused": True}, "foreach": {"foreach": True}, "for-loop": {"foreach": False}}
-    return torch.optim.AdamW(groups, lr=t.learning_rate, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_epsilon,
-                             **impl[t.optimizer_impl])
-
-
-def wrap_model(cfg: Config, transformers_model: torch.nn.Module) -> MaskedLMLoss:
-    """The transformers model in its loss wrapper (--mlm_head), the encoder compiled if asked."""
-    model = MaskedLMLoss(transformers_model, masked_only=cfg.model.mlm_head == "masked")
-    if cfg.model.mlm_head == "masked" and not model.masked_only:
-        logger.warning("%s has no single MLM head module (%s): its head runs on every position, as with "
-                       "--mlm_head all", type(model.model).__name__, " or ".join(MLM_HEAD_ATTRIBUTES))
-    if cfg.training.torch_compile:
-        model.model.base_model.compile()  # in place: parameter names, so checkpoints, stay the same
-    return model
-
-
-def check_fsdp_plugin(plugin: Any, cuda: bool) -> None:
-    """Refuse FSDP settings that cannot run here, or whose checkpoints mlm_ddp cannot validate and resume."""
-    if plugin is None:
-        return
-    from torch.distributed.fsdp import StateDictType
-
-    if plugin.fsdp_version != 2 and not cuda:
-        raise ConfigError(f"fsdp_version {plugin.fsdp_version} on CPU processes: only FSDP2 runs over gloo; set "
-                          "fsdp_version: 2 in the accelerate config (accelerate_configs/fsdp.yaml does)")
-
-    if plugin.state_dict_type != StateDictType.SHARDED_STATE_DICT:
-        raise ConfigError(f"fsdp_state_dict_type {plugin.state_dict_type.name}: mlm_ddp checkpoints FSDP runs with "
-                          "SHARDED_STATE_DICT (each rank writes its shard; final/ is written whole either way); set "
-                          "fsdp_state_dict_type: SHARDED_STATE_DICT in the accelerate config")
-
-
-def configure_fsdp_units(accelerator: Accelerator, cfg: Config, inner: torch.nn.Module) -> None:
-    """Tell accelerate's FSDP2 plugin which module classes become FSDP units: --fsdp_wrap_classes, or
-    the accelerate config's fsdp_transformer_layer_cls_to_wrap, else taken from the model; classes
-    that would split a tied parameter from its partner stay in the root unit."""
-    from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
-
-    plugin = accelerator.state.fsdp_plugin
-    if plugin.auto_wrap_policy is not transformer_auto_wrap_policy:
-        logger.info("FSDP auto-wrap policy %s: --fsdp_wrap_classes is not used", plugin.auto_wrap_policy)
-        return
-    asked = cfg.model.fsdp_wrap_classes or ",".join(plugin.transformer_cls_names_to_wrap or [])
-    wrap, held = fsdp_wrap_classes(inner, asked or None)
-    plugin.transformer_cls_names_to_wrap = wrap
-    logger.info("FSDP units: each %s (%s); the root unit holds the rest%s", " / ".join(wrap) or "nothing",
-                f"--fsdp_wrap_classes {asked}" if asked else "taken from the model",
-                f", including {', '.join(held)}, which holds a parameter tied to the MLM head" if held else "")
 
 
 def epoch_steps(epochs: float, batches_per_epoch: int, accumulation: int) -> int:
@@ -588,26 +472,13 @@ def epoch_steps(epochs: float, batches_per_epoch: int, accumulation: int) -> int
     return max(1, math.ceil(epochs * batches_per_epoch / accumulation - 1e-9))  # 1e-9: float noise
 
 
-def forward_backward(accelerator: Accelerator, model: torch.nn.Module, micro: list[dict[str, torch.Tensor]],
-                     scale: torch.Tensor) -> torch.Tensor:
-    """Forward and backward of one optimizer step's micro-batches, gradients summed (DDP all-reduces
-    on the last one); returns (loss sum, masked tokens, input tokens) over them, float64 (3,)."""
-    sums = torch.zeros(3, dtype=torch.float64, device=accelerator.device)
-    for batch in micro:
-        with accelerator.accumulate(model):
-            loss_sum, n_masked, _ = model(**batch)
-            accelerator.backward(loss_sum * scale)
-        sums += torch.stack([loss_sum.detach().double(), n_masked.double(), batch["attention_mask"].sum().double()])
-    return sums
-
-
 # ---------------------------------------------------------------------------------------------
 # train(cfg)
 # ---------------------------------------------------------------------------------------------
 
 
 def train(cfg: Config) -> TrainResult:
-    """Fine-tune as `cfg` says. Raises ConfigError (bad input), Preempted (a stop signal: saved),
+    """Fine-tune as `cfg` says. Raises BadInput (bad input), Preempted (a stop signal: saved),
     NonFiniteLoss, CheckpointWriteError; `main` maps them to exit codes."""
     with StopSignals(cfg.run.signal_names()) as stop, ExitStack() as on_exit:
         return _train(cfg, stop, on_exit)
@@ -621,13 +492,13 @@ def _train(cfg: Config, stop: StopSignals, on_exit: ExitStack) -> TrainResult:
     model_config = load_model_config(cfg.model)
     limit = max_positions(model_config, tokenizer)
     if cfg.data.max_seq_length > limit:
-        raise ConfigError(f"--max_seq_length {cfg.data.max_seq_length} is above the model's maximum of "
+        raise BadInput(f"--max_seq_length {cfg.data.max_seq_length} is above the model's maximum of "
                           f"{limit} tokens; use --max_seq_length {limit} or less")
     if len(tokenizer) > model_config.vocab_size:
-        raise ConfigError(f"the tokenizer has {len(tokenizer)} tokens but the model's vocabulary only "
+        raise BadInput(f"the tokenizer has {len(tokenizer)} tokens but the model's vocabulary only "
                           f"{model_config.vocab_size}; pass the model's own tokenizer")
-    topo = dist.detect()
-    fsdp_plugin = dist.fsdp_plugin_from_launcher()
+    topo = distributed.detect()
+    fsdp_plugin = distributed.fsdp_plugin_from_launcher()
     check_fsdp_plugin(fsdp_plugin, cuda=bool(topo.cuda_devices))
     plan = check_output_dir(cfg)
     resume_from = plan.resume_from
@@ -645,8 +516,8 @@ def _train(cfg: Config, stop: StopSignals, on_exit: ExitStack) -> TrainResult:
 
     # --- 2. processes, data, model -----------------------------------------------------------
     t = cfg.training
-    dist.export_for_accelerate(topo)
-    precision = dist.resolve_precision(t.mixed_precision, cuda=bool(topo.cuda_devices))
+    distributed.export_for_accelerate(topo)
+    precision = distributed.resolve_precision(t.mixed_precision, cuda=bool(topo.cuda_devices))
     accelerator = Accelerator(
         fsdp_plugin=fsdp_plugin,
         cpu=not topo.cuda_devices,  # else a CPU process started by torchrun or srun trains alone
@@ -658,19 +529,19 @@ def _train(cfg: Config, stop: StopSignals, on_exit: ExitStack) -> TrainResult:
         log_with=trackers or None,
         project_dir=str(out / "logs"),  # TensorBoard writes into logs/<TRACKING_PROJECT>/
     )
-    if dist.keep_fsdp_on_cpu(accelerator, fsdp_plugin, precision):
+    if distributed.keep_fsdp_on_cpu(accelerator, fsdp_plugin, precision):
         logger.info("FSDP on CPU processes: the accelerate config asks for FSDP, which accelerate would run as "
                     "DDP on a CPU; mlm_ddp keeps its FSDP2 plugin (gloo)")
-    dist.check_accelerator(topo, accelerator.num_processes, str(accelerator.distributed_type))
+    distributed.check_accelerator(topo, accelerator.num_processes, str(accelerator.distributed_type))
     rank, world = accelerator.process_index, accelerator.num_processes
-    wait = MainProcessWait(accelerator, cfg.run.save_timeout)
+    wait = MainProcessWait(accelerator.num_processes, cfg.run.save_timeout)
     # the model too is checked before anything is written: every rank loads it, and a bad checkpoint or
-    # an attention kernel the model lacks is a ConfigError on all of them alike
+    # an attention kernel the model lacks is a BadInput on all of them alike
     set_seed(t.seed)  # the fresh MLM head (if any) is initialised identically on every rank
     transformers_model = load_model(cfg.model, model_config)
     if accelerator.device.type == "cpu":
-        torch.set_num_threads(dist.cpu_threads_per_process(t.cpu_threads))
-    asked = dist.launcher_precision()
+        torch.set_num_threads(distributed.cpu_threads_per_process(t.cpu_threads))
+    asked = distributed.launcher_precision()
     if asked is not None and asked != precision:
         logger.warning("the accelerate config asks for mixed precision %s; mlm_ddp trains with "
                        "--mixed_precision %s (training choices come from the mlm_ddp config: pass "
@@ -704,15 +575,15 @@ def _train(cfg: Config, stop: StopSignals, on_exit: ExitStack) -> TrainResult:
                      "blocks repeated to fill the last global batch; rank r takes slice r of every "
                      "global batch")
 
-    model = wrap_model(cfg, transformers_model)
-    optimizer = build_optimizer(model, cfg)
+    model = wrap_model(transformers_model, cfg.model.mlm_head, t.torch_compile)
+    optimizer = build_optimizer(model, t)
     scheduler = get_scheduler(t.lr_scheduler_type, optimizer, num_warmup_steps=t.num_warmup_steps,
                               num_training_steps=total_steps)
     # the scheduler is stepped by us once per optimizer step: not prepared, saved as JSON
     ties = tied_parameters(model.model)
     n_params = sum(p.numel() for p in model.model.parameters())  # before FSDP leaves each rank its shard
     if sharded(accelerator):
-        configure_fsdp_units(accelerator, cfg, model.model)
+        configure_fsdp_units(accelerator.state.fsdp_plugin, cfg.model.fsdp_wrap_classes, model.model)
     model, optimizer = accelerator.prepare(model, optimizer)
     check_tied(accelerator.unwrap_model(model).model, ties)
     if resume_from is not None:
@@ -821,32 +692,26 @@ def _train(cfg: Config, stop: StopSignals, on_exit: ExitStack) -> TrainResult:
             logger.info("step %d: %s", step + 1, feed.last_epoch_end.describe(feed.dropped_batches))
         # one all-reduce per step: the masked tokens of the whole optimizer step (all ranks and
         # micro-batches; the loss is normalised by them) and whether any rank got a stop signal
-        local = torch.stack([sum((b["labels"] != IGNORE_INDEX).sum() for b in micro).double(),
+        local = torch.stack([masked_tokens(micro),
                              torch.tensor(float(stop.received is not None), dtype=torch.float64, device=device)])
         masked, stop_votes = accelerator.reduce(local, reduction="sum")
         if stop_votes > 0:
             position = ckpt.TrainerState(step, epoch_before, index_before, tokens_total(), world)
             preempt(accelerator, wait, cfg, position, scheduler, stream_before, stop.received, saved_step == step)
-        scale = world * ga / masked.clamp(min=1)  # DDP averages over ranks, backward() divides by ga
-        window = forward_backward(accelerator, model, micro, scale)
+        result = train_step(accelerator, model, optimizer, micro, masked, t.max_grad_norm)
+        window = torch.stack([result.loss_sum, result.masked, result.tokens])
         sums += window
         tokens_local += window[2]
-        # the gradients are the same on every rank after DDP's all-reduce, so is this norm: every
-        # rank takes the same decision below without another collective
-        norm = accelerator.clip_grad_norm_(model.parameters(), t.max_grad_norm or math.inf)
-        if precision == "fp16" or torch.isfinite(norm):  # fp16: the scaler skips non-finite steps
-            optimizer.step()
-        elif cfg.run.on_nonfinite_loss == "skip":
+        if not result.stepped and cfg.run.on_nonfinite_loss == "skip":
             skipped_steps += 1
             logger.warning("step %d: gradient norm %s, optimizer step skipped (%d so far)",
-                           step + 1, norm.item(), skipped_steps)
-        else:
+                           step + 1, result.grad_norm.item(), skipped_steps)
+        elif not result.stepped:
             latest = ckpt.complete_checkpoints(out)
             raise NonFiniteLoss(
-                f"step {step + 1}: the gradient norm is {norm.item()} (loss or gradients NaN/inf); "
+                f"step {step + 1}: the gradient norm is {result.grad_norm.item()} (loss or gradients NaN/inf); "
                 + (f"the last good checkpoint is {latest[-1]}" if latest else "no checkpoint was saved")
                 + ". Lower --learning_rate, check the data, or pass --on_nonfinite_loss skip")
-        optimizer.zero_grad(set_to_none=True)
         scheduler.step()
         step += 1
         progress.update(1)
@@ -942,23 +807,11 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging()
     try:
         train(parse_args(argv))
-    except ConfigError as err:
-        say(f"mlm_ddp.train: error: {err}")
-        return EXIT_BAD_INPUT
-    except AlreadyFinished as err:
-        say(f"mlm_ddp.train: {err}")
-        return 0
-    except Preempted as err:
-        say(f"mlm_ddp.train: {err} (exit {EXIT_REQUEUE})")
-        return EXIT_REQUEUE
-    except NonFiniteLoss as err:
-        say(f"mlm_ddp.train: error: {err}")
-        return EXIT_NONFINITE
-    except CheckpointWriteError as err:
-        say(f"mlm_ddp.train: error: {err}")
-        return EXIT_FAILED
+    except RunEnded as err:
+        say(err.line("mlm_ddp.train"))
+        return err.exit_code
     except RuntimeError as err:  # DistError is one; gloo inside DDP's backward raises a plain one
-        topo = dist.detect(cuda_devices=0)
+        topo = distributed.detect(cuda_devices=0)
         if not (topo.distributed and is_collective_failure(err)):
             raise
         say(f"mlm_ddp.train: error: {lost_contact(topo, err)}")
@@ -972,7 +825,7 @@ def is_collective_failure(err: RuntimeError) -> bool:
     return isinstance(err, torch.distributed.DistError) or any(m in str(err) for m in markers)
 
 
-def lost_contact(topo: dist.Topology, err: Exception) -> str:
+def lost_contact(topo: distributed.Topology, err: Exception) -> str:
     others = [r for r in range(topo.world_size) if r != topo.rank]
     who = f"rank {others[0]}" if len(others) == 1 else f"one of ranks {', '.join(map(str, others))}"
     return (f"rank {topo.rank} lost contact with the other process(es) ({who}): a process died, was killed, "

@@ -3,7 +3,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from mlm_ddp.config import Config, ConfigError, from_dict, load_recipe, parse_args
+from mlm_ddp.config import Config, from_dict, load_recipe, parse_args
+from mlm_ddp.errors import BadInput
 from tests.conftest import run_module
 
 RUN_MLM_FLAGS = [
@@ -54,20 +55,20 @@ def test_written_config_is_a_valid_recipe(tmp_path: Path) -> None:
 def test_unknown_yaml_key_is_named(tmp_path: Path) -> None:
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text("training:\n  learnig_rate: 0.1\n")
-    with pytest.raises(ConfigError, match=r"unknown key training\.'learnig_rate'.*learning_rate"):
+    with pytest.raises(BadInput, match=r"unknown key training\.'learnig_rate'.*learning_rate"):
         parse_args(["--config", str(recipe)])
 
 
 def test_key_in_wrong_section_is_named(tmp_path: Path) -> None:
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text("model:\n  seed: 3\n")
-    with pytest.raises(ConfigError, match="model.seed belongs in section 'training'"):
+    with pytest.raises(BadInput, match="model.seed belongs in section 'training'"):
         parse_args(["--config", str(recipe)])
 
 
 @pytest.mark.parametrize("value", ["0", "1", "1.5", "-0.1"])
 def test_mlm_probability_outside_open_unit_interval(value: str) -> None:
-    with pytest.raises(ConfigError, match="--mlm_probability must be strictly between 0 and 1"):
+    with pytest.raises(BadInput, match="--mlm_probability must be strictly between 0 and 1"):
         parse_args(["--mlm_probability", value])
 
 
@@ -83,7 +84,7 @@ def test_mlm_probability_outside_open_unit_interval(value: str) -> None:
     ],
 )
 def test_bad_values_are_named(values: dict, message: str) -> None:
-    with pytest.raises(ConfigError, match=message):
+    with pytest.raises(BadInput, match=message):
         from_dict(values)
 
 

@@ -9,8 +9,9 @@ from datasets import Dataset
 from transformers import AutoTokenizer
 
 from mlm_ddp import data as mdata
-from mlm_ddp.config import ConfigError, DataConfig
+from mlm_ddp.config import DataConfig
 from mlm_ddp.data import EpochBatchSampler, embedded_corpus, load_text, pack_stats, tokenize_and_pack, tokenize_dataset
+from mlm_ddp.errors import BadInput
 from tests.conftest import REPO, corpus_paragraphs
 
 
@@ -68,16 +69,16 @@ def test_streaming_holds_out_the_first_texts(tmp_path: Path) -> None:
 
 
 def test_bad_files_are_named(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="no such file"):
+    with pytest.raises(BadInput, match="no such file"):
         load_text(DataConfig(train_file=str(tmp_path / "missing.txt")), seed=0)
     (tmp_path / "empty.txt").write_text("")
-    with pytest.raises(ConfigError, match="empty.txt: the file is empty"):
+    with pytest.raises(BadInput, match="empty.txt: the file is empty"):
         load_text(DataConfig(train_file=str(tmp_path / "empty.txt")), seed=0)
     (tmp_path / "data.xml").write_text("<a/>")
-    with pytest.raises(ConfigError, match=r"unknown file extension '\.xml'; use one of .csv, .json"):
+    with pytest.raises(BadInput, match=r"unknown file extension '\.xml'; use one of .csv, .json"):
         load_text(DataConfig(train_file=str(tmp_path / "data.xml")), seed=0)
     (tmp_path / "data.jsonl").write_text('{"body": "a", "title": "b"}\n' * 3)
-    with pytest.raises(ConfigError, match="no text column 'text'; columns found: body, title"):
+    with pytest.raises(BadInput, match="no text column 'text'; columns found: body, title"):
         load_text(DataConfig(train_file=str(tmp_path / "data.jsonl")), seed=0)
 
 
@@ -144,7 +145,7 @@ def test_a_stream_too_small_for_one_step_raises_instead_of_looping() -> None:
     stream = Dataset.from_dict({"id": [0, 1, 2]}).to_iterable_dataset()
     loader = mdata.train_loader(stream, lambda rows: [r["id"] for r in rows], 1, 0, 1, seed=0, num_workers=0)
     feed = mdata.TrainFeed(loader, None, accumulation=4, epoch=0, start=0, any_rank=_livelock_guard())
-    with pytest.raises(ConfigError) as raised:
+    with pytest.raises(BadInput) as raised:
         feed.next_window()
     message = str(raised.value)
     for part in ("epoch 0 gave rank 0: 3 micro-batch(es)", "--per_device_train_batch_size 1",
@@ -315,6 +316,6 @@ def test_the_datasets_floor_is_where_a_one_text_shuffle_buffer_resumes_exactly(t
                 assert head + [row["text"] for row in resumed] == whole, (name, epoch, k)
     floor = re.search(r'^\s*"datasets>=([\d.]+)"', (REPO / "pyproject.toml").read_text(), re.MULTILINE)
     assert floor is not None and floor.group(1) == ".".join(map(str, STREAM_RESUME_DATASETS))
-    with pytest.raises(ConfigError, match=r"needs datasets >= 5.1 \(installed: 5.0.1\)"):
+    with pytest.raises(BadInput, match=r"needs datasets >= 5.1 \(installed: 5.0.1\)"):
         check_stream_resume("5.0.1")
     check_stream_resume("5.1.0")

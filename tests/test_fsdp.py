@@ -16,7 +16,8 @@ import pytest
 import yaml
 
 from mlm_ddp import checkpoint as ckpt
-from mlm_ddp.config import ConfigError, parse_args
+from mlm_ddp.config import parse_args
+from mlm_ddp.errors import BadInput
 from mlm_ddp.train import EXIT_REQUEUE, main
 from tests.conftest import (
     NO_DROPOUT,
@@ -99,18 +100,18 @@ def test_sharded_checkpoints_are_complete_rotated_and_refused_where_they_cannot_
     saved = yaml.safe_load((newest / "config.yaml").read_text())
     state, _ = ckpt.check_resume(newest, saved, world_size=2, sharded=True)
     assert state.step == STEPS and state.world_size == 2
-    with pytest.raises(ConfigError, match="written by 2 process"):
+    with pytest.raises(BadInput, match="written by 2 process"):
         ckpt.check_resume(newest, saved, world_size=4, sharded=True)
-    with pytest.raises(ConfigError, match="written by an FSDP run .* does not shard the model"):
+    with pytest.raises(BadInput, match="written by an FSDP run .* does not shard the model"):
         ckpt.check_resume(newest, saved, world_size=2, sharded=False)
     damaged = shutil.copytree(newest, tmp_path / "damaged")
     (damaged / "optimizer_0" / "__1_0.distcp").unlink()
-    with pytest.raises(ConfigError, match=r"missing optimizer_0/__1_0.distcp"):
+    with pytest.raises(BadInput, match=r"missing optimizer_0/__1_0.distcp"):
         ckpt.check_resume(damaged, saved, world_size=2, sharded=True)
     # torch unpickles DCP metadata without restriction: a pickle that would run code is refused first
     hostile = shutil.copytree(newest, tmp_path / "hostile")
     (hostile / "pytorch_model_fsdp_0" / ".metadata").write_bytes(pickle.dumps(os.system))
-    with pytest.raises(ConfigError, match="posix.system is not part of checkpoint metadata"):
+    with pytest.raises(BadInput, match="posix.system is not part of checkpoint metadata"):
         ckpt.check_resume(hostile, saved, world_size=2, sharded=True)
 
 
@@ -239,5 +240,5 @@ def test_fsdp_wrap_classes_overrides_and_names_a_class_the_model_lacks() -> None
 
     model = _tiny("bert")
     assert fsdp_wrap_classes(model, "BertLayer,BertEmbeddings") == (["BertLayer"], ["BertEmbeddings"])
-    with pytest.raises(ConfigError, match="has no module of class 'RobertaLayer'; its layers are BertLayer"):
+    with pytest.raises(BadInput, match="has no module of class 'RobertaLayer'; its layers are BertLayer"):
         fsdp_wrap_classes(model, "RobertaLayer")

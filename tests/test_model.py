@@ -103,10 +103,10 @@ def test_a_batch_without_masked_tokens_adds_zero_and_still_reaches_every_paramet
 
 def optimizer_after_two_steps(impl: str) -> dict[str, torch.Tensor]:
     from mlm_ddp.config import from_dict
-    from mlm_ddp.train import build_optimizer
+    from mlm_ddp.model import build_optimizer
 
     model = MaskedLMLoss(tiny("bert").eval())
-    optimizer = build_optimizer(model, from_dict({"optimizer_impl": impl, "weight_decay": 0.01}))
+    optimizer = build_optimizer(model, from_dict({"optimizer_impl": impl, "weight_decay": 0.01}).training)
     for seed in (5, 6):
         model(**batch(seed))[0].backward()
         optimizer.step()
@@ -122,11 +122,10 @@ def test_every_adamw_implementation_makes_the_same_update() -> None:
 
 
 def test_torch_compile_keeps_the_loss_and_the_checkpoint_keys() -> None:
-    from mlm_ddp.config import from_dict
-    from mlm_ddp.train import wrap_model
+    from mlm_ddp.model import wrap_model
 
     eager = MaskedLMLoss(tiny("bert").eval())
-    compiled = wrap_model(from_dict({"torch_compile": True}), tiny("bert").eval())
+    compiled = wrap_model(tiny("bert").eval(), mlm_head="masked", torch_compile=True)
     b = batch(7)
     torch.testing.assert_close(compiled(**b)[0], eager(**b)[0], rtol=1e-5, atol=1e-5)
     assert compiled.state_dict().keys() == eager.state_dict().keys()  # checkpoints load either way

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from mlm_ddp.checkpoint import SAFE_LOADING_TORCH, SLOW_SAVE_ENV, check_safe_loading
-from mlm_ddp.config import ConfigError
+from mlm_ddp.errors import BadInput
 from mlm_ddp.train import EXIT_BAD_INPUT, main
 from tests.conftest import REPO, read_metrics, tiny_args, tiny_family_model, train_losses
 from tests.test_reliability import snapshot
@@ -207,7 +207,7 @@ def test_main_process_saves_longer_than_the_ddp_timeout_without_failing_the_othe
 def test_the_torch_floor_is_where_every_checkpoint_load_is_weights_only() -> None:
     floor = re.search(r'^\s*"torch>=([\d.]+)"', (REPO / "pyproject.toml").read_text(), re.MULTILINE)
     assert floor is not None and floor.group(1) == ".".join(map(str, SAFE_LOADING_TORCH))
-    with pytest.raises(ConfigError, match=r"resuming needs torch >= 2.4 \(installed: 2.3.1\+cu121\)"):
+    with pytest.raises(BadInput, match=r"resuming needs torch >= 2.4 \(installed: 2.3.1\+cu121\)"):
         check_safe_loading("2.3.1+cu121")
     check_safe_loading("2.4.0")
     check_safe_loading("2.13.0+cpu")

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 from conftest import tiny_args
 
-from mlm_ddp.config import ConfigError, parse_args
+from mlm_ddp.config import parse_args
+from mlm_ddp.errors import BadInput
 from mlm_ddp.predict import fill_mask, load_for_prediction, main
 from mlm_ddp.train import train
 
@@ -51,5 +52,5 @@ def test_texts_from_stdin(trained_run: Path, monkeypatch: pytest.MonkeyPatch, ca
 def test_text_without_a_mask_token_is_a_clear_error(trained_run: Path, capsys: pytest.CaptureFixture) -> None:
     assert main([str(trained_run / "final"), "no mask here"]) == 2
     assert "no [MASK] in 'no mask here'" in capsys.readouterr().err
-    with pytest.raises(ConfigError, match="neither a model folder"):
+    with pytest.raises(BadInput, match="neither a model folder"):
         load_for_prediction(str(trained_run / "checkpoints"))

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 from conftest import read_metrics, tiny_args
 
-from mlm_ddp.config import ConfigError, parse_args
+from mlm_ddp.config import parse_args
+from mlm_ddp.errors import BadInput
 from mlm_ddp.train import train
 
 
@@ -57,8 +58,8 @@ def test_a_tracker_that_is_not_installed_is_a_clear_error(tiny_model: Path, corp
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb"
                         else real_find_spec(name, *a))
     out = tmp_path / "untracked"
-    with pytest.raises(ConfigError, match=r"--report_to wandb: the package 'wandb' is not installed \(pip install"):
+    with pytest.raises(BadInput, match=r"--report_to wandb: the package 'wandb' is not installed \(pip install"):
         train(parse_args(tiny_args(tiny_model, corpus, out, "--with_tracking", "--report_to", "wandb")))
     assert not out.exists()  # refused before anything was written
-    with pytest.raises(ConfigError, match="--report_to 'comet': unknown tracker; use tensorboard, wandb, mlflow"):
+    with pytest.raises(BadInput, match="--report_to 'comet': unknown tracker; use tensorboard, wandb, mlflow"):
         train(parse_args(tiny_args(tiny_model, corpus, out, "--with_tracking", "--report_to", "comet")))

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from mlm_ddp.config import ConfigError, parse_args
+from mlm_ddp.config import parse_args
+from mlm_ddp.errors import BadInput
 from mlm_ddp.train import main, train
 from tests.conftest import NO_DROPOUT, REPO, read_metrics, run_module, tiny_args, train_losses
 
@@ -178,7 +179,7 @@ def test_finished_run_is_not_overwritten_unasked(launched_run, tiny_model: Path,
     finished = tmp_path / "finished"
     shutil.copytree(launched_run[0], finished)
     snapshot = {p: p.stat().st_mtime_ns for p in finished.rglob("*")}
-    with pytest.raises(ConfigError, match="already holds a finished run; pass --overwrite_output_dir"):
+    with pytest.raises(BadInput, match="already holds a finished run; pass --overwrite_output_dir"):
         train(parse_args(tiny_args(tiny_model, corpus, finished, "--max_train_steps", "2")))
     assert {p: p.stat().st_mtime_ns for p in finished.rglob("*")} == snapshot
     # asked: the earlier outputs are replaced
@@ -193,7 +194,7 @@ def test_unfinished_run_points_to_resume(tiny_model: Path, corpus: dict, tmp_pat
     train(parse_args(tiny_args(tiny_model, corpus, out, "--max_train_steps", "2", "--checkpointing_steps", "1")))
     shutil.rmtree(out / "final")
     (out / "summary.json").unlink()
-    with pytest.raises(ConfigError, match="unfinished run .*--resume_from_checkpoint latest to continue from "
+    with pytest.raises(BadInput, match="unfinished run .*--resume_from_checkpoint latest to continue from "
                                           "step-0000002"):
         train(parse_args(tiny_args(tiny_model, corpus, out, "--max_train_steps", "4")))
 
