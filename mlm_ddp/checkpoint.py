@@ -1,4 +1,5 @@
-"""Checkpoint folders: written whole or not at all, found newest-complete-first.
+"""Checkpoints: the whole protocol (every rank saves, all agree, written whole or not at all, found
+newest-complete-first, validated before loading, rotated) and its cadence (`Checkpointer.maybe`).
 
 Layout: `output_dir/checkpoints/step-0000500/` holding accelerate's `save_state` files (model in
 safetensors, optimizer, RNG states of every rank; all loaded with `weights_only=True`; under FSDP the
@@ -16,21 +17,23 @@ import os
 import pickle
 import re
 import shutil
+import signal
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
+from accelerate.logging import get_logger
 
-from mlm_ddp.errors import BadInput
+from mlm_ddp.config import RunConfig
+from mlm_ddp.errors import BadInput, CheckpointWriteError
 
+logger = get_logger(__name__)
 MARKER = "COMPLETE"
 STATE_FILE = "trainer_state.json"
 SCHEDULER_FILE = "scheduler.json"
-# Fault injection for the crash-safety test: seconds to sleep after the files are written and before
-# the marker, widening the window in which a kill leaves a half-written checkpoint.
-SLOW_SAVE_ENV = "MLM_DDP_TEST_SLOW_SAVE_S"
 # Settings that may differ on resume: they change what is logged or kept and how long the run goes,
 # not what an optimizer step computes. Any other change is refused.
 RESUMABLE_CHANGES = {
@@ -291,13 +294,15 @@ def write_atomic(path: Path, text: str) -> None:
     _fsync_dir(path.parent)
 
 
-def finalize(tmp: Path, state: TrainerState, config_yaml: str) -> Path:
-    """Main process, after every rank wrote into tmp: add state and config, fsync, mark, rename."""
+def finalize(tmp: Path, state: TrainerState, config_yaml: str,
+             before_marker: Callable[[], None] | None = None) -> Path:
+    """Main process, after every rank wrote into tmp: add state and config, fsync, mark, rename.
+    `before_marker` runs when every file but the marker is durable (tests widen that window)."""
     (tmp / STATE_FILE).write_text(json.dumps(asdict(state), indent=1))
     (tmp / "config.yaml").write_text(config_yaml)
     _fsync_tree(tmp)
-    if os.environ.get(SLOW_SAVE_ENV):
-        time.sleep(float(os.environ[SLOW_SAVE_ENV]))
+    if before_marker is not None:
+        before_marker()
     (tmp / MARKER).write_text("ok\n")
     _fsync_tree(tmp)
     final = tmp.parent / step_dir_name(state.step)
@@ -316,3 +321,128 @@ def rotate(output_dir: str | Path, keep: int | None) -> list[Path]:
     for path in doomed:
         shutil.rmtree(path)
     return doomed
+
+
+class StopSignals:
+    """Remembers the first stop signal (--stop_signals). The handler only sets a flag, so the loop
+    decides when to stop (at an optimizer-step boundary, all ranks together, after one last save) and
+    a second signal during the save changes nothing."""
+
+    def __init__(self, names: list[str]) -> None:
+        self.names, self.received, self._previous = names, None, {}
+
+    def _handle(self, signum: int, _frame: Any) -> None:
+        if self.received is None:
+            self.received = signal.Signals(signum).name
+
+    def __enter__(self) -> StopSignals:
+        for name in self.names:
+            self._previous[name] = signal.signal(getattr(signal, name), self._handle)
+        return self
+
+    def __exit__(self, *_exc: Any) -> None:
+        for name, handler in self._previous.items():
+            signal.signal(getattr(signal, name), handler)
+
+
+Position = Callable[[], "tuple[TrainerState, dict | None]"]  # the state to save, and this rank's stream position
+
+
+class Checkpointer:
+    """The all-ranks half of the protocol and its cadence: a save every --checkpointing_steps steps,
+    or at the first step that completes each epoch ('epoch'), and one more on a stop signal; rotation
+    (--save_total_limit); restoring. Every rank calls every method at the same point: they hold
+    collectives (the waits on the main process run on `wait`'s long-timeout group)."""
+
+    def __init__(self, run: RunConfig, accelerator: Any, wait: Any, scheduler: Any, config_yaml: str,
+                 resumed_step: int | None, before_marker: Callable[[], None] | None = None) -> None:
+        self.out, self.every, self.keep = Path(run.output_dir), run.checkpointing_steps, run.save_total_limit
+        self.accelerator, self.wait, self.scheduler = accelerator, wait, scheduler
+        self.config_yaml, self.before_marker = config_yaml, before_marker
+        self.saved_step = resumed_step  # the step of this run's newest complete checkpoint
+
+    def due(self, step: int, epoch_ended: bool) -> bool:
+        every = self.every
+        return (every == "epoch" and epoch_ended) or (every not in (None, "epoch") and step % int(every) == 0)
+
+    def maybe(self, step: int, epoch_ended: bool, position: Position) -> None:
+        """After an optimizer step: save if this step is due. `position` is called only then (it may
+        hold a collective)."""
+        if self.due(step, epoch_ended):
+            self.save(*position())
+
+    def latest(self) -> Path | None:
+        done = complete_checkpoints(self.out)
+        return done[-1] if done else None
+
+    def save(self, state: TrainerState, data_state: dict | None = None) -> Path:
+        """Every rank writes its part into a temporary folder; the main process completes and renames it.
+
+        If any rank fails to write (disk full, quota, ...), all ranks learn it, the temporary folder is
+        removed and CheckpointWriteError names the previous complete checkpoint, which stays usable.
+        """
+        accelerator, is_main = self.accelerator, self.accelerator.is_main_process
+        tmp, final = temp_dir(self.out, state.step), checkpoints_dir(self.out) / step_dir_name(state.step)
+        if is_main and tmp.exists():
+            shutil.rmtree(tmp)  # the leftovers of a save that was interrupted
+        self.wait.barrier()
+        error: Exception | None = None
+        try:
+            accelerator.save_state(str(tmp))
+            if data_state is not None:  # this rank's stream position
+                (tmp / data_state_name(accelerator.process_index)).write_text(json.dumps(data_state))
+        except Exception as err:  # safetensors and torch.save report a full disk in their own types
+            error = err
+        self._agree_saved(tmp, final, error)
+        if is_main:
+            try:
+                # JSON, not a pickle: a resume never unpickles what the user did not write
+                (tmp / SCHEDULER_FILE).write_text(json.dumps(self.scheduler.state_dict()))
+                final = finalize(tmp, state, self.config_yaml, self.before_marker)
+            except Exception as err:
+                error = err
+        self._agree_saved(tmp, final, error)
+        if is_main:
+            for gone in rotate(self.out, self.keep):
+                logger.info("deleted old checkpoint %s (--save_total_limit %s)", gone.name, self.keep)
+            logger.info("saved checkpoint %s", final)
+        self.wait.barrier()
+        self.saved_step = state.step
+        return final
+
+    def _agree_saved(self, tmp: Path, final: Path, error: Exception | None) -> None:
+        """A collective: raise CheckpointWriteError on every rank if the save failed on any rank."""
+        if not self.wait.any(error is not None):
+            return
+        if self.accelerator.is_main_process:
+            shutil.rmtree(tmp, ignore_errors=True)
+        previous = self.latest()
+        cause = f"{type(error).__name__}: {error}" if error is not None else "failed on another process"
+        raise CheckpointWriteError(
+            f"checkpoint {final.name} could not be written ({cause}); "
+            + (f"the previous checkpoint {previous} is complete and intact: free space or fix the folder, "
+               "then resume with --resume_from_checkpoint latest" if previous else "no earlier checkpoint exists")
+        )
+
+    def save_for_stop(self, state: TrainerState, data_state: dict | None) -> Path:
+        """The checkpoint of a stop at this step boundary: saved now, unless this step's exists."""
+        if self.saved_step == state.step:
+            return checkpoints_dir(self.out) / step_dir_name(state.step)
+        return self.save(state, data_state)
+
+    def restore(self, path: Path, accepted_changes: dict) -> None:
+        """Load a checkpoint that `check_resume` accepted. Tensors come from safetensors or from
+        `torch.load(weights_only=True)` (accelerate's default), the scheduler from JSON: a folder that
+        holds anything else is refused, never executed."""
+        import torch
+
+        for key, (old, new) in accepted_changes.items():
+            logger.info("resuming with a changed setting: %s %r -> %r", key, old, new)
+        try:
+            self.accelerator.load_state(str(path))
+            self.scheduler.load_state_dict(json.loads((path / SCHEDULER_FILE).read_text()))
+        except torch.distributed.DistError:
+            raise
+        except Exception as err:  # safetensors, torch.load and load_state_dict each have their own types
+            raise BadInput(f"{path}: cannot be resumed from ({type(err).__name__}: {str(err)[:400]}); it is "
+                           "damaged, from another model, or not written by mlm_ddp") from err

@@ -764,6 +764,13 @@ class TrainFeed:
             return float(self.epoch)
         return self.epoch + self.index / self.batches_per_epoch
 
+def epoch_steps(epochs: float, batches_per_epoch: int, accumulation: int) -> int:
+    """Optimizer steps of `epochs` epochs: every micro-batch of them is trained on. When accumulation
+    does not divide the epochs' micro-batches, the last step is filled with the first micro-batches of
+    the next epoch (rather than dropping the epoch's last ones and never completing it)."""
+    return max(1, math.ceil(epochs * batches_per_epoch / accumulation - 1e-9))  # 1e-9: float noise
+
+
 def too_small_for_a_step(end: StreamEpochEnd, accumulation: int, batch_size: int | None) -> str:
     """The error when a whole stream epoch gave no rank a full optimizer step, with what to change."""
     # a rank whose part did not run out stopped reading at a full window: it has that many or more

@@ -1,7 +1,8 @@
 """The one place that reads launcher environment variables: accelerate launch / torchrun, Slurm, Submitit.
 
-`detect()` turns the environment into a `Topology` (who this process is, where its peers meet, and
-why we think so); `export_for_accelerate()` fills in the torchrun-style variables that Accelerate reads
+`detect()` turns the environment into a `Topology` (who this process is, where its peers meet, which
+Slurm job it belongs to, and why we think so); `requeue()` puts that job back in Slurm's queue;
+`export_for_accelerate()` fills in the torchrun-style variables that Accelerate reads
 when processes were started by `srun` or Submitit instead of torchrun. `python -m mlm_ddp.distributed`
 prints the topology (and, with `--connect`, proves the processes can talk): the first thing to run
 when a cluster job misbehaves.
@@ -68,6 +69,7 @@ class Topology:
     master_port: int | None
     cuda_devices: int
     reasons: tuple[str, ...] = field(default=())
+    job_id: str | None = None  # SLURM_JOB_ID, under any launcher inside a Slurm job; None outside Slurm
 
     @property
     def distributed(self) -> bool:
@@ -150,7 +152,15 @@ def detect(env: Mapping[str, str] | None = None, cuda_devices: int | None = None
     return Topology(launcher=launcher, rank=rank, local_rank=local_rank, world_size=world,
                     local_world_size=local_world, node_rank=node_rank,
                     num_nodes=max(world // max(local_world, 1), 1), master_addr=addr, master_port=port,
-                    cuda_devices=cuda_devices, reasons=tuple(reasons))
+                    cuda_devices=cuda_devices, reasons=tuple(reasons), job_id=env.get("SLURM_JOB_ID") or None)
+
+
+def requeue(topo: Topology) -> None:
+    """Put this process's Slurm job back in the queue (`scontrol requeue`); the requeued job starts the
+    same tasks again. Call it on one process (rank 0): it requeues the whole job."""
+    if topo.job_id is None:
+        raise RuntimeError("cannot requeue: this process is not in a Slurm job (no SLURM_JOB_ID)")
+    subprocess.run(["scontrol", "requeue", topo.job_id], check=True, timeout=60)
 
 
 def export_for_accelerate(topo: Topology) -> None:
@@ -264,6 +274,21 @@ class MainProcessWait:
         votes = torch.tensor([float(flag)])  # gloo: a CPU tensor, also next to NCCL
         torch.distributed.all_reduce(votes, group=self.group)
         return votes.item() > 0
+
+
+def any_rank(accelerator: Any, flag: bool) -> bool:
+    """True on every rank when `flag` is true on any rank (a collective of the training group)."""
+    import torch
+
+    return accelerator.reduce(torch.tensor(float(flag), device=accelerator.device), reduction="sum").item() > 0
+
+
+def gather_rows(accelerator: Any, values: list[float]) -> list[list[float]]:
+    """Every rank's `values` (the same length on every rank), in rank order (a collective)."""
+    import torch
+
+    rows = accelerator.gather(torch.tensor(values, dtype=torch.float64, device=accelerator.device))
+    return rows.view(accelerator.num_processes, -1).tolist()
 
 
 @contextmanager

@@ -17,8 +17,8 @@ import yaml
 
 from mlm_ddp import checkpoint as ckpt
 from mlm_ddp.config import parse_args
-from mlm_ddp.errors import BadInput
-from mlm_ddp.train import EXIT_REQUEUE, main
+from mlm_ddp.errors import EXIT_REQUEUE, BadInput
+from mlm_ddp.train import main
 from tests.conftest import (
     NO_DROPOUT,
     last_step,
@@ -39,9 +39,11 @@ COMMON = [*NO_DROPOUT, "--lr_scheduler_type", "constant", "--mixed_precision", "
 FSDP_ENV = {"ACCELERATE_USE_CPU": "true"}
 
 
-def launch(config: str, model: Path, corpus: dict, out: Path, *extra: str) -> list[str]:
+def launch(config: str, model: Path, corpus: dict, out: Path, *extra: str,
+           module: tuple[str, ...] = ("mlm_ddp.train",)) -> list[str]:
+    """`accelerate launch` of 2 processes running `module` (with its own leading flags)."""
     return [*LAUNCH, "--config_file", str(CONFIGS / config), "--num_processes", "2", "--main_process_port",
-            str(free_port()), "-m", "mlm_ddp.train", *tiny_args(model, corpus, out, *COMMON, *extra)]
+            str(free_port()), "-m", *module, *tiny_args(model, corpus, out, *COMMON, *extra)]
 
 
 def train_two(config: str, model: Path, corpus: dict, out: Path, *extra: str) -> str:
@@ -172,8 +174,8 @@ def test_final_is_the_whole_tied_model_and_evaluates_as_the_last_eval(
 def test_kill_9_during_a_sharded_save_leaves_nothing_latest_would_pick(tiny_model: Path, corpus: dict,
                                                                      tmp_path: Path) -> None:
     out = tmp_path / "run"
-    proc = popen(launch("fsdp.yaml", tiny_model, corpus, out, "--max_train_steps", "8", "--checkpointing_steps", "2"),
-                 env={**FSDP_ENV, ckpt.SLOW_SAVE_ENV: "3"})
+    proc = popen(launch("fsdp.yaml", tiny_model, corpus, out, "--max_train_steps", "8", "--checkpointing_steps", "2",
+                        module=("tests.fault_driver", "--slow_save_s", "3")), env=FSDP_ENV)
     half = out / "checkpoints" / ".tmp-step-0000004" / ckpt.STATE_FILE  # every shard written, no marker yet
     workers: dict[int, int] = {}
     try:

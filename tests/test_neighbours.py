@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from mlm_ddp.checkpoint import SAFE_LOADING_TORCH, SLOW_SAVE_ENV, check_safe_loading
-from mlm_ddp.errors import BadInput
-from mlm_ddp.train import EXIT_BAD_INPUT, main
+from mlm_ddp.checkpoint import SAFE_LOADING_TORCH, check_safe_loading
+from mlm_ddp.errors import EXIT_BAD_INPUT, BadInput
+from mlm_ddp.train import main
 from tests.conftest import REPO, read_metrics, tiny_args, tiny_family_model, train_losses
 from tests.test_reliability import snapshot
 from tests.test_topology import CONFIGS, LAUNCH, free_port, run_module
@@ -192,10 +192,9 @@ def test_main_process_saves_longer_than_the_ddp_timeout_without_failing_the_othe
     # rank 0 sleeps 6 s inside every checkpoint save (after the files, before the marker) while the
     # other rank waits; --ddp_timeout 3 would fail a wait on the training group
     proc = run_module([*LAUNCH, "--config_file", str(CONFIGS / "cpu_ddp.yaml"), "--main_process_port",
-                       str(free_port()), "-m", "mlm_ddp.train",
+                       str(free_port()), "-m", "tests.fault_driver", "--slow_save_s", "6",
                        *tiny_args(tiny_model, corpus, out, "--max_train_steps", "2", "--checkpointing_steps", "2",
-                                  "--ddp_timeout", "3", *QUICK)],
-                      env={SLOW_SAVE_ENV: "6"}, timeout=300)
+                                  "--ddp_timeout", "3", *QUICK)], timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (out / "checkpoints" / "step-0000002" / "COMPLETE").exists()
     assert json.loads((out / "summary.json").read_text())["steps"] == 2

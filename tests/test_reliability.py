@@ -20,8 +20,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from mlm_ddp.checkpoint import SLOW_SAVE_ENV
-from mlm_ddp.train import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_NONFINITE, EXIT_REQUEUE, main
+from mlm_ddp.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_NONFINITE, EXIT_REQUEUE
+from mlm_ddp.train import main
 from tests.conftest import REPO, last_step, read_metrics, tiny_args, train_losses, wait_for
 from tests.test_topology import CONFIGS, LAUNCH, free_port
 
@@ -35,6 +35,9 @@ def snapshot(root: Path) -> dict[str, str]:
 def popen(args: list[str], env: dict | None = None) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", *args], cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1",
                             **(env or {})}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+TRAINING_MODULES = ("mlm_ddp.train", "tests.fault_driver")  # what a worker process runs
 
 
 def workers_of(launcher_pid: int) -> dict[int, int]:
@@ -52,7 +55,8 @@ def workers_of(launcher_pid: int) -> dict[int, int]:
                                if "=" in kv)
                 except OSError:
                     continue
-                if "RANK" in env and "mlm_ddp.train" in Path(f"/proc/{child}/cmdline").read_text():
+                cmdline = Path(f"/proc/{child}/cmdline").read_text()
+                if "RANK" in env and any(module in cmdline for module in TRAINING_MODULES):
                     found[int(env["RANK"])] = child
     return found
 
@@ -64,7 +68,7 @@ def test_kill_9_during_a_save_resumes_from_the_previous_checkpoint(tiny_model: P
                                                                    tmp_path: Path) -> None:
     out = tmp_path / "run"
     args = tiny_args(tiny_model, corpus, out, "--max_train_steps", "6", "--checkpointing_steps", "2")
-    proc = popen(["mlm_ddp.train", *args], env={SLOW_SAVE_ENV: "2"})
+    proc = popen(["tests.fault_driver", "--slow_save_s", "2", *args])
     # every file of step 4 is written; the marker is not: the save is 2 s from complete
     half = out / "checkpoints" / ".tmp-step-0000004" / "trainer_state.json"
     try:
@@ -129,8 +133,8 @@ def test_sigusr1_to_one_rank_saves_one_checkpoint_on_both_and_resume_continues_t
 
 def test_a_second_signal_during_the_save_changes_nothing(tiny_model: Path, corpus: dict, tmp_path: Path) -> None:
     out = tmp_path / "run"
-    proc = popen(["mlm_ddp.train", *tiny_args(tiny_model, corpus, out, "--max_train_steps", "400",
-                                              "--per_device_train_batch_size", "4")], env={SLOW_SAVE_ENV: "2"})
+    proc = popen(["tests.fault_driver", "--slow_save_s", "2", *tiny_args(tiny_model, corpus, out, "--max_train_steps",
+                                                                       "400", "--per_device_train_batch_size", "4")])
     try:
         wait_for(lambda: last_step(out) >= 3, 120, "step 3")
         proc.send_signal(signal.SIGTERM)

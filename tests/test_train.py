@@ -210,8 +210,8 @@ def test_fsdp_eval_padding_adds_nothing_to_the_sums(tiny_model: Path) -> None:
     import torch
     from transformers import AutoModelForMaskedLM
 
+    from mlm_ddp.evaluation import padded
     from mlm_ddp.model import MaskedLMLoss
-    from mlm_ddp.train import padded
 
     model = MaskedLMLoss(AutoModelForMaskedLM.from_pretrained(tiny_model)).eval()
     real = {"input_ids": torch.tensor([[2, 40, 50, 3]]), "attention_mask": torch.ones(1, 4, dtype=torch.long),

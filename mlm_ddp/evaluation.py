@@ -1,0 +1,115 @@
+"""Held-out evaluation: per-token masked-LM loss, perplexity and accuracy, from sums reduced across
+ranks and then divided (a mean of per-batch or per-rank means would weigh tokens unequally). The
+cadence (--eval_steps, and the last step) is the evaluator's own: the loop calls `maybe(step)`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+from accelerate.logging import get_logger
+from accelerate.utils import DistributedType
+from torch.utils.data import DataLoader
+
+from mlm_ddp import data as mdata
+from mlm_ddp.masking import IGNORE_INDEX
+from mlm_ddp.run_log import TrainingClock
+
+logger = get_logger(__name__)
+Batch = dict[str, torch.Tensor]
+
+
+def masked_lm_metrics(loss_sum: float, masked: int, correct: int) -> dict[str, float]:
+    """Loss (nats per masked token), perplexity and accuracy from the sums over all masked tokens."""
+    if masked == 0:
+        raise ValueError("masked_lm_metrics: no masked tokens were evaluated")
+    loss = loss_sum / masked
+    return {"loss": loss, "perplexity": math.exp(min(loss, 700.0)),  # exp overflows float64 past ~709
+            "accuracy": correct / masked, "num_tokens": masked}
+
+
+def sharded(accelerator: Accelerator) -> bool:
+    """FSDP shards the parameters: every forward is a collective and the model is not whole anywhere."""
+    return accelerator.distributed_type == DistributedType.FSDP
+
+
+def padded(batches: list[Batch], total: int) -> Iterator[Batch]:
+    """`batches`, then idle batches up to `total`: one token with nothing to predict, (1, 1), which
+    adds 0 to every eval sum."""
+    yield from batches
+    for _ in range(total - len(batches)):
+        yield {"input_ids": torch.zeros(1, 1, dtype=torch.long), "attention_mask": torch.ones(1, 1, dtype=torch.long),
+               "labels": torch.full((1, 1), IGNORE_INDEX)}
+
+
+def eval_batches(loader: DataLoader, accelerator: Accelerator) -> Iterator[Batch]:
+    """This rank's eval batches on its device; under FSDP padded to the same count on every rank."""
+    if not sharded(accelerator):
+        yield from (mdata.to_device(batch, accelerator.device) for batch in loader)
+        return
+    batches = list(loader)  # an eval set is small; a stream has no len() to compare across ranks
+    count = torch.tensor(len(batches), device=accelerator.device)
+    for batch in padded(batches, int(accelerator.reduce(count, reduction="max"))):
+        yield mdata.to_device(batch, accelerator.device)
+
+
+def evaluate_mlm(model: torch.nn.Module, loader: DataLoader | None,
+                 accelerator: Accelerator) -> dict[str, float] | None:
+    """Per-token eval loss, perplexity and accuracy: sums reduced across ranks, then divided."""
+    if loader is None:
+        return None
+    # DDP: the plain module, so ranks with different numbers of eval batches run no collectives.
+    # FSDP: the forward gathers parameters from every rank, so all ranks run the same number of
+    # forwards (eval_batches).
+    net = model if sharded(accelerator) else accelerator.unwrap_model(model)
+    was_training = net.training
+    net.eval()
+    sums = torch.zeros(3, dtype=torch.float64, device=accelerator.device)  # loss, masked, correct
+    with torch.no_grad(), accelerator.autocast():
+        for batch in eval_batches(loader, accelerator):
+            loss_sum, masked, correct = net(**batch)
+            sums += torch.stack([loss_sum.double(), masked.double(), correct.double()])
+    net.train(was_training)
+    loss_sum, masked, correct = accelerator.reduce(sums, reduction="sum").tolist()
+    if masked == 0:
+        return None
+    return masked_lm_metrics(loss_sum, int(masked), int(correct))
+
+
+class Evaluator:
+    """Evaluates the model on the held-out loader before training, every --eval_steps and at the
+    last step. Every rank calls `maybe` after every step (evaluation holds collectives)."""
+
+    def __init__(self, eval_steps: int | None, total_steps: int, accelerator: Accelerator,
+                 model: torch.nn.Module, loader: DataLoader | None) -> None:
+        self.every, self.total_steps, self.accelerator = eval_steps, total_steps, accelerator
+        self.model, self.loader = model, loader
+        self.first: dict[str, float] | None = None  # before training (of the run a resume continues)
+        self.last: dict[str, float] | None = None  # the latest evaluation during training
+
+    def before_training(self) -> dict[str, float] | None:
+        result = evaluate_mlm(self.model, self.loader, self.accelerator)
+        if result:
+            logger.info("eval before training: loss %.4f, perplexity %.2f, accuracy %.3f",
+                        result["loss"], result["perplexity"], result["accuracy"])
+        return result
+
+    def maybe(self, step: int, epoch: float, clock: TrainingClock) -> dict[str, Any]:
+        """After an optimizer step: on an evaluation step the record's eval fields, else {}."""
+        if step != self.total_steps and not (self.every and step % self.every == 0):
+            return {}
+        with clock.paused():  # evaluation is not training time
+            self.last = evaluate_mlm(self.model, self.loader, self.accelerator)
+        if not self.last:
+            return {}
+        logger.info("step %d: eval loss %.4f, perplexity %.2f", step, self.last["loss"], self.last["perplexity"])
+        return {"step": step, "epoch": round(epoch, 4), **record_fields(self.last)}
+
+
+def record_fields(result: dict[str, float]) -> dict[str, float]:
+    """An evaluation as metrics.jsonl names it."""
+    return {"eval_loss": result["loss"], "perplexity": result["perplexity"], "eval_accuracy": result["accuracy"]}

@@ -1,0 +1,225 @@
+"""What a run reports while it trains: `metrics.jsonl`, the trackers (TensorBoard, wandb, MLflow),
+the progress bar, the training clock, and the loss and token counts since the last log line. The
+cadence (--logging_steps) is the log's own: the loop calls `maybe(step)` every step.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+from accelerate.logging import get_logger
+from tqdm.auto import tqdm
+
+from mlm_ddp import checkpoint as ckpt
+from mlm_ddp.config import Config, RunConfig
+from mlm_ddp.errors import BadInput
+from mlm_ddp.step import StepResult
+
+logger = get_logger(__name__)
+KNOWN_TRACKERS = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}  # name -> module
+TRACKING_PROJECT = "mlm_ddp"  # the wandb project, the MLflow experiment
+METRICS_FILE = "metrics.jsonl"
+
+
+class TrainingClock:
+    """Seconds spent training, without evaluation and checkpoint saves, so that tokens/s measures
+    the training step alone."""
+
+    def __init__(self) -> None:
+        self.training_s, self._lap_start, self._paused_s = 0.0, time.perf_counter(), 0.0
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._paused_s += time.perf_counter() - start
+
+    def lap(self) -> float:
+        """Training seconds since the previous lap."""
+        now = time.perf_counter()
+        elapsed = max(now - self._lap_start - self._paused_s, 1e-9)
+        self.training_s += elapsed
+        self._lap_start, self._paused_s = now, 0.0
+        return elapsed
+
+
+@dataclass
+class StepSums:
+    """Sums over optimizer steps, this rank's until `reduced`: float64 scalars on the device, so
+    adding a step costs no host sync."""
+
+    loss_sum: torch.Tensor  # cross-entropy over the masked tokens
+    masked: torch.Tensor  # masked tokens
+    tokens: torch.Tensor  # non-padding input tokens
+
+    @classmethod
+    def zeros(cls, device: torch.device) -> StepSums:
+        return cls(*torch.zeros(3, dtype=torch.float64, device=device).unbind())
+
+    def add(self, result: StepResult) -> None:
+        self.loss_sum = self.loss_sum + result.loss_sum
+        self.masked = self.masked + result.masked
+        self.tokens = self.tokens + result.tokens
+
+    def reduced(self, accelerator: Accelerator) -> tuple[float, float, float]:
+        """(loss sum, masked, tokens) of every rank: one all-reduce, a collective."""
+        total = accelerator.reduce(torch.stack([self.loss_sum, self.masked, self.tokens]), reduction="sum")
+        loss_sum, masked, tokens = total.tolist()
+        return loss_sum, masked, tokens
+
+
+def read_metrics_lines(path: Path) -> list[tuple[str, dict[str, Any]]]:
+    """(line, record) of each line of a metrics.jsonl. A cut last line (a run killed while writing
+    it) is dropped; any other broken line is a BadInput naming it, raised in the preflight on every
+    rank alike, never on the main process alone while the others wait in a collective."""
+    lines = path.read_text().splitlines()
+    kept = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError:
+            if number == len(lines):
+                continue
+            raise BadInput(f"{path} line {number}: not valid JSON; repair or delete that line, then resume "
+                           "again") from None
+        if not isinstance(record, dict):
+            raise BadInput(f"{path} line {number}: not a JSON object; repair or delete that line")
+        kept.append((line, record))
+    return kept
+
+
+def check_trackers(run: RunConfig) -> list[str]:
+    """The trackers --report_to names, each installed (with 'all': those that are)."""
+    if not run.with_tracking:
+        return []
+    names = list(KNOWN_TRACKERS) if run.report_to == "all" else run.report_to.split(",")
+    chosen = []
+    for name in (n.strip() for n in names):
+        if name not in KNOWN_TRACKERS:
+            raise BadInput(f"--report_to {name!r}: unknown tracker; use {', '.join(KNOWN_TRACKERS)} or all")
+        if importlib.util.find_spec(KNOWN_TRACKERS[name]) is None:
+            if run.report_to == "all":
+                continue
+            raise BadInput(f"--report_to {name}: the package {name!r} is not installed (pip install {name}, "
+                           "or pip install 'mlm_ddp[tracking]' for wandb and MLflow)")
+        chosen.append(name)
+    return chosen
+
+
+def tracker_kwargs(out: Path, trackers: list[str]) -> dict[str, dict[str, Any]]:
+    """Each tracker names the run after --output_dir and keeps its files in output_dir/logs, unless
+    the user's environment (WANDB_DIR, MLFLOW_TRACKING_URI) says where they go."""
+    logs, name = out / "logs", out.resolve().name
+    logs.mkdir(parents=True, exist_ok=True)
+    kwargs: dict[str, dict[str, Any]] = {}
+    if "wandb" in trackers:
+        kwargs["wandb"] = {"name": name, **({} if os.environ.get("WANDB_DIR") else {"dir": str(logs)})}
+    if "mlflow" in trackers:
+        import mlflow
+
+        if not os.environ.get("MLFLOW_TRACKING_URI"):
+            # mlflow's own default is a database in the current folder, shared by unrelated runs
+            mlflow.set_tracking_uri(f"sqlite:///{(logs / 'mlflow.db').resolve()}")
+        kwargs["mlflow"] = {"run_name": name}
+    return kwargs
+
+
+class RunLog:
+    """metrics.jsonl (main process), the trackers and the progress bar of one run. Every rank
+    calls every method at the same point: `maybe`, `write` and `tokens_total` hold collectives."""
+
+    def __init__(self, cfg: Config, accelerator: Accelerator, trackers: list[str], start_step: int,
+                 total_steps: int, resumed: bool, tokens_before: int) -> None:
+        self.accelerator, self.trackers, self.every = accelerator, trackers, cfg.run.logging_steps
+        self.total_steps, self.tokens_before = total_steps, tokens_before
+        out = Path(cfg.run.output_dir)
+        self.path, self.enabled = out / METRICS_FILE, accelerator.is_main_process
+        if self.enabled and resumed and self.path.exists():
+            # drop what a crashed run logged after the checkpoint we resume from
+            kept = [line for line, record in read_metrics_lines(self.path) if record.get("step", 0) <= start_step]
+            ckpt.write_atomic(self.path, "".join(line + "\n" for line in kept))
+        if trackers:
+            skipped = sorted(set(KNOWN_TRACKERS) - set(trackers)) if cfg.run.report_to == "all" else []
+            logger.info("tracking with %s: project %s, run %s%s", ", ".join(trackers), TRACKING_PROJECT,
+                        out.resolve().name, f"; not installed, so not used: {', '.join(skipped)}" if skipped else "")
+            accelerator.init_trackers(TRACKING_PROJECT, init_kwargs=tracker_kwargs(out, trackers),
+                                      config={k: v for s in cfg.to_dict().values() for k, v in s.items()
+                                              if isinstance(v, (int, float, str, bool))})
+        self.since_log = StepSums.zeros(accelerator.device)
+        self.trained = torch.zeros((), dtype=torch.float64, device=accelerator.device)  # this rank's tokens
+        self.start_step = start_step
+        self.clock, self.progress = TrainingClock(), None
+
+    def begin(self) -> None:
+        """The loop starts: the progress bar appears and the training clock starts (after the
+        evaluation before training, which is not training time)."""
+        self.clock = TrainingClock()
+        self.progress = tqdm(total=self.total_steps, initial=self.start_step, desc="training", unit="step",
+                             disable=not self.accelerator.is_main_process)
+
+    def tokens_total(self) -> int:
+        """Input tokens trained on so far, all ranks (a collective: every rank calls it together)."""
+        return int(self.tokens_before + self.accelerator.reduce(self.trained.clone(), reduction="sum").item())
+
+    def add(self, result: StepResult) -> None:
+        self.since_log.add(result)
+        self.trained = self.trained + result.tokens
+
+    def maybe(self, step: int, epoch: float, lr: float) -> dict[str, Any]:
+        """Called after every optimizer step: on a logging step (and the last) the training record
+        since the previous one (a collective), else {}."""
+        self.progress.update(1)
+        if step % self.every and step != self.total_steps:
+            return {}
+        loss_sum, masked, tokens = self.since_log.reduced(self.accelerator)
+        record = {"step": step, "epoch": round(epoch, 4), "loss": loss_sum / max(masked, 1), "lr": lr,
+                  "tokens_per_s": tokens / self.clock.lap()}
+        self.since_log = StepSums.zeros(self.accelerator.device)
+        self.progress.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
+        return record
+
+    def write(self, record: dict[str, Any], with_tokens: bool = True) -> None:
+        """Append `record` (if any) to metrics.jsonl and the trackers, with the tokens seen so far (a
+        collective) unless `with_tokens` is False."""
+        if not record:
+            return
+        if with_tokens:
+            record["tokens_seen"] = self.tokens_total()
+        if self.enabled:
+            with open(self.path, "a") as handle:
+                handle.write(json.dumps(record) + "\n")
+        if self.trackers:
+            self.accelerator.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
+
+    def first_eval(self) -> dict[str, float] | None:
+        """The evaluation before training of the run this one resumes (its step-0 line)."""
+        if not self.path.exists():
+            return None
+        for _line, record in read_metrics_lines(self.path):
+            if "eval_loss" in record:
+                return {"loss": record["eval_loss"], "perplexity": record["perplexity"],
+                        "accuracy": record["eval_accuracy"]}
+        return None
+
+    def close(self) -> None:
+        """Close the progress bar, also when the run fails: an error message then starts a line of its own."""
+        if self.progress is not None:
+            self.progress.close()
+
+    def end(self) -> None:
+        if self.trackers:
+            self.accelerator.end_training()
