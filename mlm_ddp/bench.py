@@ -8,7 +8,7 @@ shared machine slows both alike; the ratio is what to read, never one absolute n
     with its head over the whole vocabulary at every position, `DataCollatorForLanguageModeling`,
     `model(**batch).loss`, `accelerator.backward`, torch's default AdamW.
 (b) mlm_ddp's training step with its defaults: the functions `mlm_ddp.train` runs (MaskedLMLoss,
-    MaskingCollator, forward_backward, gradient clipping, build_optimizer).
+    MaskingCollator, build_optimizer and `mlm_ddp.step.train_step`, gradient clipping included).
 
 After training, both models are evaluated on the same held-out blocks with the same masks.
 A benchmark, not a test: nothing here asserts a speed.
@@ -31,7 +31,7 @@ from accelerate import Accelerator
 from transformers import AutoModelForMaskedLM, DataCollatorForLanguageModeling, HfArgumentParser
 
 from mlm_ddp import data as mdata
-from mlm_ddp import distributed as dist
+from mlm_ddp import distributed
 from mlm_ddp.config import ModelConfig, _doc, from_dict
 from mlm_ddp.errors import BadInput
 from mlm_ddp.masking import EVAL_SPLIT, IGNORE_INDEX, TRAIN_SPLIT, MaskingCollator
@@ -44,7 +44,7 @@ from mlm_ddp.model import (
     resolve_model_path,
     wrap_model,
 )
-from mlm_ddp.step import forward_backward
+from mlm_ddp.step import masked_tokens, train_step
 
 PRECISIONS = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}  # bench name -> Accelerator(mixed_precision=)
 
@@ -184,13 +184,9 @@ def mlm_ddp_recipe(model: torch.nn.Module, tokenizer: Any, cfg: BenchConfig, acc
     max_norm = train_cfg.training.max_grad_norm
 
     def step(blocks: list[dict]) -> int:
-        batch = mdata.to_device(collator(blocks), accelerator.device)
-        masked = (batch["labels"] != IGNORE_INDEX).sum()
-        forward_backward(accelerator, prepared, [batch], 1.0 / masked.clamp(min=1))
-        norm = accelerator.clip_grad_norm_(prepared.parameters(), max_norm)
-        if torch.isfinite(norm):  # the check mlm_ddp.train makes every step, host sync included
-            optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        window = [mdata.to_device(collator(blocks), accelerator.device)]
+        masked = masked_tokens(window)
+        train_step(accelerator, prepared, optimizer, window, masked, max_norm)  # the step mlm_ddp.train runs
         return int(masked)
 
     return Recipe(prepared, model, step, [])
@@ -232,8 +228,8 @@ def bench(cfg: BenchConfig) -> dict[str, Any]:
     accelerator = Accelerator(cpu=not cuda, mixed_precision=PRECISIONS[cfg.precision])
     device = accelerator.device
     if device.type == "cpu":
-        torch.set_num_threads(dist.usable_cores())
-        if cfg.precision == "bf16" and dist.resolve_precision("auto", cuda=False) != "bf16":
+        torch.set_num_threads(distributed.usable_cores())
+        if cfg.precision == "bf16" and distributed.resolve_precision("auto", cuda=False) != "bf16":
             print("note: this CPU has no native bf16 (AVX512/AMX): bf16 matmuls are emulated, slower than fp32; "
                   "mlm_ddp's --mixed_precision auto trains in fp32 here", file=sys.stderr)
 

@@ -43,8 +43,10 @@ from datasets import Dataset, DatasetDict, IterableDataset, IterableDatasetDict,
 from datasets.distributed import split_dataset_by_node
 from torch.utils.data import DataLoader, Sampler
 
-from mlm_ddp.config import DataConfig
+from mlm_ddp.config import DataConfig, TrainingConfig
+from mlm_ddp.distributed import patient_main_process_first
 from mlm_ddp.errors import BadInput
+from mlm_ddp.masking import EVAL_SPLIT, TRAIN_SPLIT, MaskingCollator
 
 SUFFIX_BUILDERS = {".txt": "text", ".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
 EMBEDDED_CORPUS = "python-docs"
@@ -813,3 +815,46 @@ def eval_loader(ds: AnyDataset, collator: Any, batch_size: int, rank: int, world
 
 def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
     return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+
+@dataclass
+class RankData:
+    """This rank's training and evaluation loaders, and the run's length in optimizer steps."""
+
+    train_ds: Any
+    train_loader: DataLoader
+    train_collator: MaskingCollator
+    eval_loader: DataLoader | None
+    total_steps: int
+    note: str  # what the start-up log says about the data
+
+
+def rank_data(data: DataConfig, training: TrainingConfig, tokenizer: Any, raw_train: AnyDataset,
+              raw_eval: AnyDataset | None, accelerator: Any, preprocessing_timeout: int) -> RankData:
+    """Tokenize and pack (the main process first, the others then load its cache), and this rank's
+    loaders with their masking collators."""
+    rank, world = accelerator.process_index, accelerator.num_processes
+    with patient_main_process_first(accelerator, preprocessing_timeout):
+        train_ds = rank_dataset(raw_train, tokenizer, data, rank, world, shuffle_seed=training.seed)
+        eval_ds = None if raw_eval is None else rank_dataset(raw_eval, tokenizer, data, rank, world)
+    masking = dict(mlm_probability=data.mlm_probability, whole_word_mask=data.whole_word_mask,
+                   seed=training.seed)
+    train_collator = MaskingCollator.for_tokenizer(tokenizer, split=TRAIN_SPLIT, **masking)
+    train_dl = train_loader(train_ds, train_collator, training.per_device_train_batch_size, rank, world,
+                            training.seed, data.dataloader_num_workers)
+    eval_dl = None if eval_ds is None else eval_loader(
+        eval_ds, MaskingCollator.for_tokenizer(tokenizer, split=EVAL_SPLIT, **masking),
+        training.per_device_eval_batch_size, rank, world, data.dataloader_num_workers)
+    if is_stream(train_ds):
+        return RankData(train_ds, train_dl, train_collator, eval_dl, training.max_train_steps,
+                        f"streaming, tokenized on the fly; {stream_sharding(raw_train.num_shards, world)}; "
+                        f"{plan_stream_split(raw_train, world).note()}")
+    sampler, seq = train_dl.batch_sampler, data.max_seq_length
+    total_steps = training.max_train_steps or epoch_steps(
+        training.num_train_epochs, sampler.batches_per_epoch, training.gradient_accumulation_steps)
+    stats = pack_stats(train_ds, seq)
+    return RankData(train_ds, train_dl, train_collator, eval_dl, total_steps,
+                    f"{stats.blocks} blocks of {seq} tokens ({stats.tokens} tokens, {stats.short_blocks} shorter tail "
+                    f"blocks, {stats.pad_fraction:.2%} padding), {sampler.batches_per_epoch} micro-batches per epoch "
+                    f"per rank, {sampler.padding} blocks repeated to fill the last global batch; rank r takes slice r "
+                    "of every global batch")

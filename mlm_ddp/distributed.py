@@ -276,6 +276,40 @@ class MainProcessWait:
         return votes.item() > 0
 
 
+def start_accelerator(topo: Topology, fsdp_plugin: Any, training: Any, ddp_timeout: int, trackers: list[str],
+                      project_dir: str) -> tuple[Any, str]:
+    """The Accelerator of this process (the process group forms here) and its precision, with the
+    training settings of the mlm_ddp config whatever the launcher."""
+    from accelerate import Accelerator
+    from accelerate.logging import get_logger
+    from accelerate.utils import GradientAccumulationPlugin, InitProcessGroupKwargs
+
+    logger = get_logger(__name__)
+    export_for_accelerate(topo)
+    precision = resolve_precision(training.mixed_precision, cuda=bool(topo.cuda_devices))
+    accelerator = Accelerator(
+        fsdp_plugin=fsdp_plugin,
+        cpu=not topo.cuda_devices,  # else a CPU process started by torchrun or srun trains alone
+        mixed_precision=precision,  # from our config, so every launcher trains alike
+        gradient_accumulation_plugin=GradientAccumulationPlugin(
+            num_steps=training.gradient_accumulation_steps, sync_with_dataloader=False),
+        # fail fast: when a process dies, the others stop within this time instead of hanging
+        kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=ddp_timeout))],
+        log_with=trackers or None,
+        project_dir=project_dir,
+    )
+    if keep_fsdp_on_cpu(accelerator, fsdp_plugin, precision):
+        logger.info("FSDP on CPU processes: the accelerate config asks for FSDP, which accelerate would run as "
+                    "DDP on a CPU; mlm_ddp keeps its FSDP2 plugin (gloo)")
+    check_accelerator(topo, accelerator.num_processes, str(accelerator.distributed_type))
+    asked = launcher_precision()
+    if asked is not None and asked != precision:
+        logger.warning("the accelerate config asks for mixed precision %s; mlm_ddp trains with "
+                       "--mixed_precision %s (training choices come from the mlm_ddp config: pass "
+                       "--mixed_precision %s to use it)", asked, precision, asked)
+    return accelerator, precision
+
+
 def any_rank(accelerator: Any, flag: bool) -> bool:
     """True on every rank when `flag` is true on any rank (a collective of the training group)."""
     import torch
@@ -349,6 +383,22 @@ def cpu_threads_per_process(requested: int | None) -> int:
     if requested is not None:
         return requested
     return max(usable_cores() // local_world_size(), 1)
+
+
+def is_collective_failure(err: RuntimeError) -> bool:
+    """A peer died, or hung past --ddp_timeout (how gloo and NCCL say so)."""
+    markers = ("gloo", "NCCL", "Connection reset by peer", "Connection closed by peer", "ProcessGroup")
+    import torch
+
+    return isinstance(err, torch.distributed.DistError) or any(m in str(err) for m in markers)
+
+
+def lost_contact(topo: Topology, err: Exception) -> str:
+    others = [r for r in range(topo.world_size) if r != topo.rank]
+    who = f"rank {others[0]}" if len(others) == 1 else f"one of ranks {', '.join(map(str, others))}"
+    return (f"rank {topo.rank} lost contact with the other process(es) ({who}): a process died, was killed, "
+            f"or hung for longer than --ddp_timeout; the launcher's report or that process's log says which "
+            f"and why. Cause: {type(err).__name__}: {str(err).strip()[:300]}")
 
 
 def connect(topo: Topology, timeout_s: float) -> str:

@@ -12,7 +12,8 @@ import torch
 import torch.nn.functional as F
 import transformers
 from accelerate.logging import get_logger
-from transformers import AutoConfig, AutoModelForMaskedLM, AutoTokenizer, PreTrainedModel
+from accelerate.utils import DistributedType
+from transformers import AutoConfig, AutoModelForMaskedLM, AutoTokenizer, PreTrainedModel, get_scheduler
 
 from mlm_ddp.config import ModelConfig, TrainingConfig
 from mlm_ddp.errors import BadInput
@@ -283,3 +284,20 @@ def configure_fsdp_units(plugin: Any, requested: str | None, inner: torch.nn.Mod
     logger.info("FSDP units: each %s (%s); the root unit holds the rest%s", " / ".join(wrap) or "nothing",
                 f"--fsdp_wrap_classes {asked}" if asked else "taken from the model",
                 f", including {', '.join(held)}, which holds a parameter tied to the MLM head" if held else "")
+
+
+def prepare_for_training(accelerator: Any, transformers_model: PreTrainedModel, model_cfg: ModelConfig,
+                         training: TrainingConfig, total_steps: int) -> tuple[Any, torch.optim.Optimizer, Any, int]:
+    """The model in its loss wrapper, its optimizer and scheduler, prepared; and the parameter count."""
+    model = wrap_model(transformers_model, model_cfg.mlm_head, training.torch_compile)
+    optimizer = build_optimizer(model, training)
+    # the scheduler is stepped by us once per optimizer step: not prepared, saved as JSON
+    scheduler = get_scheduler(training.lr_scheduler_type, optimizer, num_warmup_steps=training.num_warmup_steps,
+                              num_training_steps=total_steps)
+    ties = tied_parameters(model.model)
+    n_params = sum(p.numel() for p in model.model.parameters())  # before FSDP leaves each rank its shard
+    if accelerator.distributed_type == DistributedType.FSDP:
+        configure_fsdp_units(accelerator.state.fsdp_plugin, model_cfg.fsdp_wrap_classes, model.model)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    check_tied(accelerator.unwrap_model(model).model, ties)
+    return model, optimizer, scheduler, n_params

@@ -19,34 +19,26 @@ import time
 from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
-from datetime import timedelta
 from typing import Any, NoReturn
 
 import datasets
 import torch
 from accelerate import Accelerator
 from accelerate.logging import get_logger
-from accelerate.utils import GradientAccumulationPlugin, InitProcessGroupKwargs, set_seed
-from torch.utils.data import DataLoader
-from transformers import get_scheduler
+from accelerate.utils import set_seed
 
 from mlm_ddp import checkpoint as ckpt
 from mlm_ddp import data as mdata
 from mlm_ddp import distributed
 from mlm_ddp.config import Config, parse_args
 from mlm_ddp.errors import EXIT_FAILED, BadInput, NonFiniteLoss, Preempted, RunEnded
-from mlm_ddp.evaluation import Evaluator, record_fields, sharded
-from mlm_ddp.masking import EVAL_SPLIT, TRAIN_SPLIT, MaskingCollator
+from mlm_ddp.evaluation import Evaluator, record_fields
 from mlm_ddp.model import (
-    build_optimizer,
-    check_tied,
-    configure_fsdp_units,
     load_model,
     load_model_config,
     load_tokenizer,
     max_positions,
-    tied_parameters,
-    wrap_model,
+    prepare_for_training,
 )
 from mlm_ddp.run_folder import OutputPlan, RunFolder
 from mlm_ddp.run_log import RunLog, check_trackers, read_metrics_lines
@@ -134,76 +126,6 @@ def preflight(cfg: Config) -> Checked:
 # ---------------------------------------------------------------------------------------------
 
 
-def start_accelerator(cfg: Config, checked: Checked) -> tuple[Accelerator, str]:
-    """The Accelerator of this process (the process group forms here) and its precision."""
-    topo, training = checked.topo, cfg.training
-    distributed.export_for_accelerate(topo)
-    precision = distributed.resolve_precision(training.mixed_precision, cuda=bool(topo.cuda_devices))
-    accelerator = Accelerator(
-        fsdp_plugin=checked.fsdp_plugin,
-        cpu=not topo.cuda_devices,  # else a CPU process started by torchrun or srun trains alone
-        mixed_precision=precision,  # from our config, so every launcher trains alike
-        gradient_accumulation_plugin=GradientAccumulationPlugin(
-            num_steps=training.gradient_accumulation_steps, sync_with_dataloader=False),
-        # fail fast: when a process dies, the others stop within this time instead of hanging
-        kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=cfg.run.ddp_timeout))],
-        log_with=checked.trackers or None,
-        project_dir=str(checked.folder.path / "logs"),  # TensorBoard writes into logs/<TRACKING_PROJECT>/
-    )
-    if distributed.keep_fsdp_on_cpu(accelerator, checked.fsdp_plugin, precision):
-        logger.info("FSDP on CPU processes: the accelerate config asks for FSDP, which accelerate would run as "
-                    "DDP on a CPU; mlm_ddp keeps its FSDP2 plugin (gloo)")
-    distributed.check_accelerator(topo, accelerator.num_processes, str(accelerator.distributed_type))
-    asked = distributed.launcher_precision()
-    if asked is not None and asked != precision:
-        logger.warning("the accelerate config asks for mixed precision %s; mlm_ddp trains with "
-                       "--mixed_precision %s (training choices come from the mlm_ddp config: pass "
-                       "--mixed_precision %s to use it)", asked, precision, asked)
-    return accelerator, precision
-
-
-@dataclass
-class Data:
-    """This rank's loaders and the run's length."""
-
-    train_ds: Any
-    train_loader: DataLoader
-    train_collator: MaskingCollator
-    eval_loader: DataLoader | None
-    total_steps: int
-    note: str  # what the start-up log says about the data
-
-
-def build_data(cfg: Config, checked: Checked, accelerator: Accelerator) -> Data:
-    rank, world, training = accelerator.process_index, accelerator.num_processes, cfg.training
-    with distributed.patient_main_process_first(accelerator, cfg.run.preprocessing_timeout):
-        train_ds = mdata.rank_dataset(checked.raw_train, checked.tokenizer, cfg.data, rank, world,
-                                      shuffle_seed=training.seed)
-        eval_ds = None if checked.raw_eval is None else mdata.rank_dataset(checked.raw_eval, checked.tokenizer,
-                                                                          cfg.data, rank, world)
-    masking = dict(mlm_probability=cfg.data.mlm_probability, whole_word_mask=cfg.data.whole_word_mask,
-                   seed=training.seed)
-    train_collator = MaskingCollator.for_tokenizer(checked.tokenizer, split=TRAIN_SPLIT, **masking)
-    train_dl = mdata.train_loader(train_ds, train_collator, training.per_device_train_batch_size, rank, world,
-                                  training.seed, cfg.data.dataloader_num_workers)
-    eval_dl = None if eval_ds is None else mdata.eval_loader(
-        eval_ds, MaskingCollator.for_tokenizer(checked.tokenizer, split=EVAL_SPLIT, **masking),
-        training.per_device_eval_batch_size, rank, world, cfg.data.dataloader_num_workers)
-    if mdata.is_stream(train_ds):
-        return Data(train_ds, train_dl, train_collator, eval_dl, training.max_train_steps,
-                    f"streaming, tokenized on the fly; {mdata.stream_sharding(checked.raw_train.num_shards, world)}; "
-                    f"{mdata.plan_stream_split(checked.raw_train, world).note()}")
-    sampler, seq = train_dl.batch_sampler, cfg.data.max_seq_length
-    total_steps = training.max_train_steps or mdata.epoch_steps(
-        training.num_train_epochs, sampler.batches_per_epoch, training.gradient_accumulation_steps)
-    stats = mdata.pack_stats(train_ds, seq)
-    return Data(train_ds, train_dl, train_collator, eval_dl, total_steps,
-                f"{stats.blocks} blocks of {seq} tokens ({stats.tokens} tokens, {stats.short_blocks} shorter tail "
-                f"blocks, {stats.pad_fraction:.2%} padding), {sampler.batches_per_epoch} micro-batches per epoch "
-                f"per rank, {sampler.padding} blocks repeated to fill the last global batch; rank r takes slice r "
-                "of every global batch")
-
-
 def load_weights(cfg: Config, checked: Checked, accelerator: Accelerator) -> Any:
     """The transformers model, loaded on every rank before anything is written: a bad checkpoint or an
     attention kernel the model lacks is a BadInput on all of them alike."""
@@ -214,24 +136,6 @@ def load_weights(cfg: Config, checked: Checked, accelerator: Accelerator) -> Any
     return transformers_model
 
 
-def prepare_model(cfg: Config, accelerator: Accelerator, transformers_model: Any,
-                  total_steps: int) -> tuple[torch.nn.Module, torch.optim.Optimizer, Any, int]:
-    """The model in its loss wrapper, its optimizer and scheduler, prepared; and the parameter count."""
-    training = cfg.training
-    model = wrap_model(transformers_model, cfg.model.mlm_head, training.torch_compile)
-    optimizer = build_optimizer(model, training)
-    # the scheduler is stepped by us once per optimizer step: not prepared, saved as JSON
-    scheduler = get_scheduler(training.lr_scheduler_type, optimizer, num_warmup_steps=training.num_warmup_steps,
-                              num_training_steps=total_steps)
-    ties = tied_parameters(model.model)
-    n_params = sum(p.numel() for p in model.model.parameters())  # before FSDP leaves each rank its shard
-    if sharded(accelerator):
-        configure_fsdp_units(accelerator.state.fsdp_plugin, cfg.model.fsdp_wrap_classes, model.model)
-    model, optimizer = accelerator.prepare(model, optimizer)
-    check_tied(accelerator.unwrap_model(model).model, ties)
-    return model, optimizer, scheduler, n_params
-
-
 @dataclass
 class Training:
     """Everything `build` made, which `fit` and `finish` use."""
@@ -240,7 +144,7 @@ class Training:
     checked: Checked
     accelerator: Accelerator
     wait: distributed.MainProcessWait  # the long-timeout group in which ranks wait for the main process
-    data: Data
+    data: mdata.RankData
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
     scheduler: Any
@@ -257,11 +161,15 @@ class Training:
 
 
 def build(cfg: Config, checked: Checked, hooks: Hooks) -> Training:
-    accelerator, precision = start_accelerator(cfg, checked)
+    accelerator, precision = distributed.start_accelerator(
+        checked.topo, checked.fsdp_plugin, cfg.training, cfg.run.ddp_timeout, checked.trackers,
+        project_dir=str(checked.folder.path / "logs"))  # TensorBoard writes into logs/<TRACKING_PROJECT>/
     wait = distributed.MainProcessWait(accelerator.num_processes, cfg.run.save_timeout)
     transformers_model = load_weights(cfg, checked, accelerator)
-    data = build_data(cfg, checked, accelerator)
-    model, optimizer, scheduler, n_params = prepare_model(cfg, accelerator, transformers_model, data.total_steps)
+    data = mdata.rank_data(cfg.data, cfg.training, checked.tokenizer, checked.raw_train, checked.raw_eval,
+                           accelerator, cfg.run.preprocessing_timeout)
+    model, optimizer, scheduler, n_params = prepare_for_training(accelerator, transformers_model, cfg.model,
+                                                                 cfg.training, data.total_steps)
     resume_from, start = checked.plan.resume_from, checked.start
     checkpointer = ckpt.Checkpointer(cfg.run, accelerator, wait, scheduler, cfg.to_yaml(),
                                      start.step if resume_from else None, hooks.before_checkpoint_marker)
@@ -284,7 +192,7 @@ def build(cfg: Config, checked: Checked, hooks: Hooks) -> Training:
                     evaluator, checkpointer)
 
 
-def describe(cfg: Config, checked: Checked, accelerator: Accelerator, precision: str, data: Data,
+def describe(cfg: Config, checked: Checked, accelerator: Accelerator, precision: str, data: mdata.RankData,
              model: torch.nn.Module, n_params: int) -> None:
     """The start-up lines: topology, data, model."""
     training, topo, world = cfg.training, checked.topo, accelerator.num_processes
@@ -479,25 +387,11 @@ def main(argv: list[str] | None = None, hooks: Hooks | None = None) -> int:
         return err.exit_code
     except RuntimeError as err:  # DistError is one; gloo inside DDP's backward raises a plain one
         topo = distributed.detect(cuda_devices=0)
-        if not (topo.distributed and is_collective_failure(err)):
+        if not (topo.distributed and distributed.is_collective_failure(err)):
             raise
-        say(f"mlm_ddp.train: error: {lost_contact(topo, err)}")
+        say(f"mlm_ddp.train: error: {distributed.lost_contact(topo, err)}")
         return EXIT_FAILED
     return 0
-
-
-def is_collective_failure(err: RuntimeError) -> bool:
-    """A peer died, or hung past --ddp_timeout (how gloo and NCCL say so)."""
-    markers = ("gloo", "NCCL", "Connection reset by peer", "Connection closed by peer", "ProcessGroup")
-    return isinstance(err, torch.distributed.DistError) or any(m in str(err) for m in markers)
-
-
-def lost_contact(topo: distributed.Topology, err: Exception) -> str:
-    others = [r for r in range(topo.world_size) if r != topo.rank]
-    who = f"rank {others[0]}" if len(others) == 1 else f"one of ranks {', '.join(map(str, others))}"
-    return (f"rank {topo.rank} lost contact with the other process(es) ({who}): a process died, was killed, "
-            f"or hung for longer than --ddp_timeout; the launcher's report or that process's log says which "
-            f"and why. Cause: {type(err).__name__}: {str(err).strip()[:300]}")
 
 
 if __name__ == "__main__":
