@@ -17,7 +17,7 @@ from accelerate import Accelerator
 from datasets import Dataset
 
 from mlm_ddp import data as mdata
-from mlm_ddp import distributed as dist
+from mlm_ddp import distributed
 
 
 def ids_of(rows: list[dict]) -> list[int]:
@@ -47,9 +47,9 @@ def one_epoch(accelerator: Accelerator, ds, batch: int, accumulation: int) -> di
 
 def main(argv: list[str] | None = None) -> int:
     out, n = Path((argv or sys.argv[1:])[0]), int((argv or sys.argv[1:])[1])
-    topo = dist.detect()
+    topo = distributed.detect()
     accelerator = Accelerator(cpu=True)
-    dist.check_accelerator(topo, accelerator.num_processes, str(accelerator.distributed_type))
+    distributed.check_accelerator(topo, accelerator.num_processes, str(accelerator.distributed_type))
     rank, world = accelerator.process_index, accelerator.num_processes
     table = Dataset.from_dict({"id": list(range(n))})
     # a stream of 3 shards over 2 ranks: split text by text, ranks' parts differ in length

@@ -111,11 +111,11 @@ def test_never_overwrites_a_page_it_did_not_write(runs: tuple[Path, Path], tmp_p
 
 def test_tokens_per_s_counts_training_time_only(monkeypatch: pytest.MonkeyPatch) -> None:
     """Evaluation and checkpoint saves pause the clock, so the throughput curve has no dips at them."""
-    from mlm_ddp import run_log as train_module
+    from mlm_ddp import run_log
 
     now = [100.0]
-    monkeypatch.setattr(train_module.time, "perf_counter", lambda: now[0])
-    clock = train_module.TrainingClock()
+    monkeypatch.setattr(run_log.time, "perf_counter", lambda: now[0])
+    clock = run_log.TrainingClock()
     now[0] += 2.0  # a training step
     assert clock.lap() == 2.0
     with clock.paused():
