@@ -20,20 +20,20 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import re
-import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
-from mlm_ddp import distributed as dist
-from mlm_ddp.config import parse_args
-from mlm_ddp.errors import BadInput
-from mlm_ddp.train import EXIT_BAD_INPUT, EXIT_REQUEUE, AlreadyFinished, Preempted, setup_logging, train
+from transformers import HfArgumentParser
 
-CLUSTERS = ("slurm", "local", "debug")
+from mlm_ddp import distributed
+from mlm_ddp.config import _doc, parse_args
+from mlm_ddp.errors import EXIT_BAD_INPUT, EXIT_REQUEUE, AlreadyFinished, BadInput, Preempted
+from mlm_ddp.train import setup_logging, train
+
 BAD_INPUT_PREFIX = "mlm_ddp.submit: error: "  # how a task's bad-input line starts; --wait looks for it
 
 
@@ -63,12 +63,12 @@ class TrainTask:
             record_failure(line)
             sys.exit(EXIT_BAD_INPUT)
         except Preempted as stop:
-            topo = dist.detect(cuda_devices=0)
+            topo = distributed.detect(cuda_devices=0)
             print(f"mlm_ddp.submit: {stop}", file=sys.stderr, flush=True)
-            if topo.rank == 0 and "SLURM_JOB_ID" in os.environ:
+            if topo.rank == 0 and topo.job_id is not None:
                 if stop.signal_name == warning_signal():
-                    subprocess.run(["scontrol", "requeue", os.environ["SLURM_JOB_ID"]], check=True, timeout=60)
-                    print(f"mlm_ddp.submit: requeued job {os.environ['SLURM_JOB_ID']}", file=sys.stderr, flush=True)
+                    distributed.requeue(topo)
+                    print(f"mlm_ddp.submit: requeued job {topo.job_id}", file=sys.stderr, flush=True)
                 else:  # scancel, or Slurm ending the job itself: the checkpoint is saved, the job ends
                     print(f"mlm_ddp.submit: not requeued: {stop.signal_name or 'a signal on another task'} is not "
                           f"the preemption warning ({warning_signal()}); resubmit the same command to continue",
@@ -116,40 +116,45 @@ def failure_line(job: Any, err: Exception) -> tuple[str, int]:
     return f"job {job.job_id} failed: {lines[-1] if lines else type(err).__name__} (log: {job.paths.stderr})", 1
 
 
-def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m mlm_ddp.submit", allow_abbrev=False,  # a training flag is never taken for ours
+@dataclass
+class SubmitConfig:
+    """The flags of `python -m mlm_ddp.submit` itself; every other flag is a training flag."""
+
+    nodes: int = _doc("nodes (default 1)", default=1)
+    gpus_per_node: int = _doc("GPUs per node; one task per GPU (default 0: CPU)", default=0)
+    procs_per_node: int = _doc("CPU only: training processes per node, one task each (default 1)", default=1)
+    cpus_per_task: int | None = _doc("CPU cores per task", default=None)
+    mem_gb: float | None = _doc("memory per node, GB", default=None)
+    timeout_min: int = _doc("time limit in minutes (default 1440)", default=24 * 60)
+    partition: str | None = _doc("Slurm partition", default=None)
+    account: str | None = _doc("Slurm account", default=None)
+    qos: str | None = _doc("Slurm QOS", default=None)
+    constraint: str | None = _doc("Slurm node constraint", default=None)
+    job_dir: str | None = _doc("folder for Submitit's files and the job logs (default: <output_dir>/submitit)",
+                               default=None)
+    cluster: Literal["slurm", "local", "debug"] = _doc(
+        "slurm; local (one process on this machine, no Slurm); debug (in this process)", default="slurm")
+    signal_delay_s: int = _doc("seconds before the time limit at which Slurm warns the job (default 120)",
+                               default=120)
+    wait: bool = _doc("follow the job to its end and return its status", default=False)
+
+    def __post_init__(self) -> None:
+        if self.nodes < 1:
+            raise BadInput(f"--nodes must be at least 1, got {self.nodes}")
+        if self.gpus_per_node < 0 or self.procs_per_node < 1:
+            raise BadInput("--gpus_per_node must be >= 0 and --procs_per_node >= 1")
+        if self.cluster != "slurm" and (self.nodes > 1 or self.gpus_per_node > 1 or self.procs_per_node > 1):
+            raise BadInput(f"--cluster {self.cluster} runs one process on this machine: use --nodes 1 and "
+                           "one process, or --cluster slurm")
+
+
+def make_parser() -> HfArgumentParser:
+    return HfArgumentParser(
+        SubmitConfig, prog="python -m mlm_ddp.submit",
+        allow_abbrev=False,  # a training flag is never taken for ours (--node is not --nodes)
+        formatter_class=argparse.HelpFormatter,  # the help texts name their defaults (the HF default repeats them)
         description="Submit mlm_ddp.train through Submitit. Flags not listed here are training flags "
                     "(python -m mlm_ddp.train --help); they are checked before anything is submitted.")
-    p.add_argument("--nodes", type=int, default=1, help="nodes (default 1)")
-    p.add_argument("--gpus_per_node", type=int, default=0, help="GPUs per node; one task per GPU (default 0: CPU)")
-    p.add_argument("--procs_per_node", type=int, default=1,
-                   help="CPU only: training processes per node, one task each (default 1)")
-    p.add_argument("--cpus_per_task", type=int, default=None, help="CPU cores per task")
-    p.add_argument("--mem_gb", type=float, default=None, help="memory per node, GB")
-    p.add_argument("--timeout_min", type=int, default=24 * 60, help="time limit in minutes (default 1440)")
-    p.add_argument("--partition", default=None, help="Slurm partition")
-    p.add_argument("--account", default=None, help="Slurm account")
-    p.add_argument("--qos", default=None, help="Slurm QOS")
-    p.add_argument("--constraint", default=None, help="Slurm node constraint")
-    p.add_argument("--job_dir", default=None,
-                   help="folder for Submitit's files and the job logs (default: <output_dir>/submitit)")
-    p.add_argument("--cluster", choices=CLUSTERS, default="slurm",
-                   help="slurm; local (one process on this machine, no Slurm); debug (in this process)")
-    p.add_argument("--signal_delay_s", type=int, default=120,
-                   help="seconds before the time limit at which Slurm warns the job (default 120)")
-    p.add_argument("--wait", action="store_true", help="follow the job to its end and return its status")
-    return p
-
-
-def check_submit_args(args: argparse.Namespace) -> None:
-    if args.nodes < 1:
-        raise BadInput(f"--nodes must be at least 1, got {args.nodes}")
-    if args.gpus_per_node < 0 or args.procs_per_node < 1:
-        raise BadInput("--gpus_per_node must be >= 0 and --procs_per_node >= 1")
-    if args.cluster != "slurm" and (args.nodes > 1 or args.gpus_per_node > 1 or args.procs_per_node > 1):
-        raise BadInput(f"--cluster {args.cluster} runs one process on this machine: use --nodes 1 and "
-                          "one process, or --cluster slurm")
 
 
 def writable_job_dir(path: Path) -> Path:
@@ -163,7 +168,7 @@ def writable_job_dir(path: Path) -> Path:
     return path
 
 
-def submit(args: argparse.Namespace, train_argv: list[str]) -> Any:
+def submit(args: SubmitConfig, train_argv: list[str]) -> Any:
     import submitit
 
     cfg = parse_args(train_argv)  # every training flag checked here, before anything is submitted
@@ -195,9 +200,9 @@ def submit(args: argparse.Namespace, train_argv: list[str]) -> Any:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args, train_argv = parser().parse_known_args(argv)
     try:
-        check_submit_args(args)
+        # the flags that are not ours are the training flags, passed on as given (parse_known_args)
+        args, train_argv = make_parser().parse_args_into_dataclasses(args=argv, return_remaining_strings=True)
         job = submit(args, train_argv)
     except BadInput as err:
         print(f"mlm_ddp.submit: error: {err}", file=sys.stderr)

@@ -19,7 +19,7 @@ from accelerate.utils import DistributedType
 from datasets import Dataset
 
 from mlm_ddp import data as mdata
-from mlm_ddp import distributed as dist
+from mlm_ddp import distributed
 from mlm_ddp.config import DataConfig, parse_args
 from tests.conftest import NO_DROPOUT, REPO, corpus_paragraphs, read_metrics, run_module, tiny_args, train_losses
 
@@ -85,7 +85,7 @@ def test_every_accelerate_config_loads_and_describes_topology_only(name: str) ->
 def test_detect_torchrun_wins_over_the_slurm_task_it_runs_in() -> None:
     env = {"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4", "GROUP_RANK": "1",
            "MASTER_ADDR": "n1", "MASTER_PORT": "1234", "SLURM_PROCID": "1", "SLURM_STEP_NUM_TASKS": "2"}
-    topo = dist.detect(env, cuda_devices=4)
+    topo = distributed.detect(env, cuda_devices=4)
     assert (topo.launcher, topo.rank, topo.world_size, topo.local_rank, topo.node_rank, topo.num_nodes) == (
         "torchrun", 5, 8, 1, 1, 2)
     assert (topo.master_addr, topo.master_port, topo.backend, topo.device) == ("n1", 1234, "nccl", "cuda:1")
@@ -94,41 +94,53 @@ def test_detect_torchrun_wins_over_the_slurm_task_it_runs_in() -> None:
 def test_detect_srun_tasks_derive_the_port_from_the_job_id() -> None:
     env = {"SLURM_PROCID": "3", "SLURM_STEP_NUM_TASKS": "4", "SLURM_LOCALID": "1", "SLURM_NODEID": "1",
            "SLURM_STEP_NUM_NODES": "2", "SLURM_JOB_ID": "4242", "MASTER_ADDR": "n1"}
-    topo = dist.detect(env, cuda_devices=0)
+    topo = distributed.detect(env, cuda_devices=0)
     assert (topo.launcher, topo.rank, topo.world_size, topo.local_world_size, topo.num_nodes) == (
         "slurm", 3, 4, 2, 2)
-    assert topo.master_port == dist.slurm_master_port(4242) == 19242
+    assert topo.master_port == distributed.slurm_master_port(4242) == 19242
     assert (topo.backend, topo.device) == ("gloo", "cpu")
-    assert dist.detect({**env, "SUBMITIT_EXECUTOR": "slurm"}, cuda_devices=0).launcher == "submitit"
+    assert distributed.detect({**env, "SUBMITIT_EXECUTOR": "slurm"}, cuda_devices=0).launcher == "submitit"
 
 
 def test_detect_a_batch_script_or_a_laptop_is_one_process() -> None:
-    topo = dist.detect({"SLURM_JOB_ID": "7", "SLURM_PROCID": "0"}, cuda_devices=0)
+    topo = distributed.detect({"SLURM_JOB_ID": "7", "SLURM_PROCID": "0"}, cuda_devices=0)
     assert (topo.launcher, topo.world_size, topo.backend) == ("none", 1, None)
     assert any("not in an srun step" in reason for reason in topo.reasons)
 
 
+def test_detect_reads_the_slurm_job_id_under_any_launcher_and_requeue_needs_one() -> None:
+    assert distributed.detect({"SLURM_JOB_ID": "7"}, cuda_devices=0).job_id == "7"  # sbatch, no srun step
+    srun = {"SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "1", "SLURM_JOB_ID": "9"}
+    assert distributed.detect(srun, cuda_devices=0).job_id == "9"
+    torchrun = {"RANK": "0", "WORLD_SIZE": "1", "SLURM_JOB_ID": "8"}  # accelerate launch inside sbatch
+    assert distributed.detect(torchrun, cuda_devices=0).job_id == "8"
+    laptop = distributed.detect({}, cuda_devices=0)
+    assert laptop.job_id is None
+    with pytest.raises(RuntimeError, match="not in a Slurm job"):
+        distributed.requeue(laptop)
+
+
 def test_detect_refuses_inconsistent_variables() -> None:
     with pytest.raises(RuntimeError, match="inconsistent"):
-        dist.detect({"RANK": "2", "WORLD_SIZE": "2"}, cuda_devices=0)
+        distributed.detect({"RANK": "2", "WORLD_SIZE": "2"}, cuda_devices=0)
     with pytest.raises(RuntimeError, match="RANK"):
-        dist.detect({"RANK": "x", "WORLD_SIZE": "2"}, cuda_devices=0)
+        distributed.detect({"RANK": "x", "WORLD_SIZE": "2"}, cuda_devices=0)
 
 
 def test_a_group_whose_processes_train_alone_is_refused() -> None:
-    topo = dist.detect({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}, cuda_devices=0)
+    topo = distributed.detect({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}, cuda_devices=0)
     with pytest.raises(RuntimeError, match="started 2 processes .* but Accelerate runs 1"):
-        dist.check_accelerator(topo, 1, "DistributedType.NO")
+        distributed.check_accelerator(topo, 1, "DistributedType.NO")
 
 
 def test_the_fsdp_plugin_is_built_from_the_launcher_only_when_asked() -> None:
-    assert dist.fsdp_plugin_from_launcher({}) is None
-    assert dist.fsdp_plugin_from_launcher({"ACCELERATE_USE_FSDP": "false"}) is None
+    assert distributed.fsdp_plugin_from_launcher({}) is None
+    assert distributed.fsdp_plugin_from_launcher({"ACCELERATE_USE_FSDP": "false"}) is None
 
 
 def test_launcher_precision_is_read_but_only_when_asked() -> None:
-    assert dist.launcher_precision({"ACCELERATE_MIXED_PRECISION": "no"}) is None
-    assert dist.launcher_precision({"ACCELERATE_MIXED_PRECISION": "bf16"}) == "bf16"
+    assert distributed.launcher_precision({"ACCELERATE_MIXED_PRECISION": "no"}) is None
+    assert distributed.launcher_precision({"ACCELERATE_MIXED_PRECISION": "bf16"}) == "bf16"
 
 
 def test_doctor_under_plain_torchrun_forms_a_real_group() -> None:
