@@ -223,7 +223,7 @@ def bench(cfg: BenchConfig) -> dict[str, Any]:
     """Run the benchmark; returns what the JSON line holds."""
     model_cfg = ModelConfig(model_name_or_path=cfg.model, config_overrides=cfg.config_overrides)
     tokenizer = load_tokenizer(model_cfg)
-    model_config = load_model_config(model_cfg)
+    model_config = load_model_config(model_cfg, tokenizer)
     cuda = torch.cuda.is_available()
     accelerator = Accelerator(cpu=not cuda, mixed_precision=PRECISIONS[cfg.precision])
     device = accelerator.device

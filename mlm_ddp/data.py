@@ -157,17 +157,17 @@ def load_text(cfg: DataConfig, seed: int) -> tuple[AnyDataset, AnyDataset | None
                 test_size=cfg.validation_split_percentage / 100.0, shuffle=True, seed=seed
             )
             train, evaluation = parts["train"], parts["test"]
-    if cfg.max_train_samples is not None:
-        train = _limit(train, cfg.max_train_samples)
-    if evaluation is not None and cfg.max_eval_samples is not None:
-        evaluation = _limit(evaluation, cfg.max_eval_samples)
+    if isinstance(train, IterableDataset):  # a stream's sequences are only known once read: count texts
+        if cfg.max_train_samples is not None:
+            train = train.take(cfg.max_train_samples)
+        if evaluation is not None and cfg.max_eval_samples is not None:
+            evaluation = evaluation.take(cfg.max_eval_samples)
     return train, evaluation
 
 
-def _limit(ds: AnyDataset, n: int) -> AnyDataset:
-    if isinstance(ds, IterableDataset):
-        return ds.take(n)
-    return ds.select(range(min(n, len(ds))))
+def _first_sequences(ds: Dataset, limit: int | None) -> Dataset:
+    """The first `limit` tokenized sequences (run_mlm.py's --max_train_samples: after packing)."""
+    return ds if limit is None else ds.select(range(min(limit, len(ds))))
 
 
 def _load(path: str, name: str | None, data_files: dict | None, streaming: bool, flag: str) -> dict:
@@ -184,31 +184,40 @@ def _load(path: str, name: str | None, data_files: dict | None, streaming: bool,
 
 
 def tokenize_and_pack(
-    texts: list[Any], tokenizer: Any, block_size: int, with_word_continues: bool = False
+    texts: list[Any], tokenizer: Any, block_size: int, with_word_continues: bool = False, line_by_line: bool = False
 ) -> dict[str, list[list[int]]]:
-    """Pure: a batch of texts -> packed blocks `input_ids` (and `word_continues` for whole-word masking).
+    """Pure: a batch of texts -> sequences `input_ids` (and `word_continues` for whole-word masking).
 
-    Texts that are empty or not strings are skipped. Every block is block_size tokens except the
-    last one, which holds the remainder.
+    Texts that are empty, blank or not strings are skipped. Packed (default): the texts are
+    concatenated and cut into blocks of block_size tokens, the last one holding the remainder.
+    `line_by_line`: each text is one sequence, truncated to block_size tokens.
     """
     kept = [t for t in texts if isinstance(t, str) and t.strip()]
     if not kept:
         return {"input_ids": [], **({"word_continues": []} if with_word_continues else {})}
+    if line_by_line:
+        encoded = tokenizer(kept, add_special_tokens=True, truncation=True, max_length=block_size, verbose=False)
+        out = {"input_ids": [list(row) for row in encoded["input_ids"]]}
+        if with_word_continues:
+            out["word_continues"] = [_continues(encoded.word_ids(i)) for i in range(len(kept))]
+        return out
     encoded = tokenizer(kept, add_special_tokens=True, verbose=False)
     ids: list[int] = []
     continues: list[int] = []
     for i, row in enumerate(encoded["input_ids"]):
         ids.extend(row)
         if with_word_continues:
-            words = encoded.word_ids(i)
-            continues.extend(
-                int(w is not None and j > 0 and words[j - 1] == w) for j, w in enumerate(words)
-            )
+            continues.extend(_continues(encoded.word_ids(i)))
     starts = range(0, len(ids), block_size)
     out = {"input_ids": [ids[s : s + block_size] for s in starts]}
     if with_word_continues:
         out["word_continues"] = [continues[s : s + block_size] for s in starts]
     return out
+
+
+def _continues(words: list[int | None]) -> list[int]:
+    """1 where a token continues the word of the token before it (whole-word masking), else 0."""
+    return [int(w is not None and j > 0 and words[j - 1] == w) for j, w in enumerate(words)]
 
 
 @dataclass(frozen=True)
@@ -238,13 +247,13 @@ def tokenize_dataset(raw: AnyDataset, tokenizer: Any, cfg: DataConfig) -> AnyDat
             "tokenizer": tokenizer,
             "block_size": cfg.max_seq_length,
             "with_word_continues": cfg.whole_word_mask,
+            "line_by_line": cfg.line_by_line,
         },
     )
     if isinstance(raw, IterableDataset):
         return raw.map(tokenize_and_pack, **kwargs)
-    return raw.map(
-        tokenize_and_pack, num_proc=cfg.preprocessing_num_workers, desc="Tokenizing and packing", **kwargs
-    )
+    return raw.map(tokenize_and_pack, num_proc=cfg.preprocessing_num_workers, desc="Tokenizing and packing",
+                   load_from_cache_file=not cfg.overwrite_cache, **kwargs)
 
 
 def pack_stats(ds: Dataset, block_size: int) -> PackStats:
@@ -524,7 +533,8 @@ class PackedStream(torch.utils.data.IterableDataset):
             self.text_bytes += sum(len(t.encode()) for t in texts if isinstance(t, str))
             order = np.random.default_rng([self.seed, self.epoch, chunk]).permutation(len(texts))
             packed = tokenize_and_pack([texts[i] for i in order], self.tokenizer, self.cfg.max_seq_length,
-                                       with_word_continues=self.cfg.whole_word_mask)
+                                       with_word_continues=self.cfg.whole_word_mask,
+                                       line_by_line=self.cfg.line_by_line)
             for k in range(skip, len(packed["input_ids"])):
                 self.blocks_read += 1
                 self.position = {"epoch": self.epoch, "source": source, "chunk": chunk, "blocks": k + 1,
@@ -558,8 +568,9 @@ def rank_dataset(raw: AnyDataset, tokenizer: Any, cfg: DataConfig, rank: int, wo
         if shuffle_seed is not None:
             return PackedStream(part, tokenizer, cfg, shuffle_seed, split=split.kind,
                                 part_bytes=None if split.part_bytes is None else split.part_bytes[rank])
-        raw = part
-    return tokenize_dataset(raw, tokenizer, cfg)
+        return tokenize_dataset(part, tokenizer, cfg)
+    limit = cfg.max_train_samples if shuffle_seed is not None else cfg.max_eval_samples
+    return _first_sequences(tokenize_dataset(raw, tokenizer, cfg), limit)
 
 
 @dataclass(frozen=True)
@@ -838,7 +849,7 @@ def rank_data(data: DataConfig, training: TrainingConfig, tokenizer: Any, raw_tr
         train_ds = rank_dataset(raw_train, tokenizer, data, rank, world, shuffle_seed=training.seed)
         eval_ds = None if raw_eval is None else rank_dataset(raw_eval, tokenizer, data, rank, world)
     masking = dict(mlm_probability=data.mlm_probability, whole_word_mask=data.whole_word_mask,
-                   seed=training.seed)
+                   seed=training.seed, pad_to=data.max_seq_length if data.pad_to_max_length else 0)
     train_collator = MaskingCollator.for_tokenizer(tokenizer, split=TRAIN_SPLIT, **masking)
     train_dl = train_loader(train_ds, train_collator, training.per_device_train_batch_size, rank, world,
                             training.seed, data.dataloader_num_workers)
@@ -852,9 +863,19 @@ def rank_data(data: DataConfig, training: TrainingConfig, tokenizer: Any, raw_tr
     sampler, seq = train_dl.batch_sampler, data.max_seq_length
     total_steps = training.max_train_steps or epoch_steps(
         training.num_train_epochs, sampler.batches_per_epoch, training.gradient_accumulation_steps)
-    stats = pack_stats(train_ds, seq)
     return RankData(train_ds, train_dl, train_collator, eval_dl, total_steps,
-                    f"{stats.blocks} blocks of {seq} tokens ({stats.tokens} tokens, {stats.short_blocks} shorter tail "
-                    f"blocks, {stats.pad_fraction:.2%} padding), {sampler.batches_per_epoch} micro-batches per epoch "
-                    f"per rank, {sampler.padding} blocks repeated to fill the last global batch; rank r takes slice r "
-                    "of every global batch")
+                    f"{describe_sequences(pack_stats(train_ds, seq), data)}, {sampler.batches_per_epoch} "
+                    f"micro-batches per epoch per rank, {sampler.padding} sequences repeated to fill the last "
+                    "global batch; rank r takes slice r of every global batch")
+
+
+def describe_sequences(stats: PackStats, data: DataConfig) -> str:
+    """The start-up log's words for the training sequences, with their share of padding."""
+    seq = data.max_seq_length
+    if not data.line_by_line:
+        return (f"{stats.blocks} blocks of {seq} tokens ({stats.tokens} tokens, {stats.short_blocks} shorter tail "
+                f"blocks, {stats.pad_fraction:.2%} padding)")
+    lines = f"{stats.blocks} lines of at most {seq} tokens, {stats.tokens / max(stats.blocks, 1):.1f} on average"
+    if data.pad_to_max_length:
+        return f"{lines} ({stats.pad_fraction:.2%} padding: every batch padded to {seq})"
+    return f"{lines} (each batch padded to its longest line: at most {stats.pad_fraction:.2%} padding)"

