@@ -183,8 +183,12 @@ def with_gradient_checkpointing(model: PreTrainedModel, cfg: ModelConfig) -> Pre
     if cfg.gradient_checkpointing:
         if not model.supports_gradient_checkpointing:
             raise BadInput(f"--gradient_checkpointing: {type(model).__name__} does not support it")
-        # non-reentrant: works with DDP and FSDP, and with inputs that need no gradient
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        # non-reentrant: works with DDP and FSDP, and with inputs that need no gradient. transformers 5
+        # renamed the method (the old name warns), and its keyword with it
+        if hasattr(model, "activation_checkpointing_enable"):
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model
 
 

@@ -1,0 +1,202 @@
+"""A run_mlm_no_trainer.py user's command line works: every flag of that script is accepted with its
+meaning or refused with one line; --line_by_line and --pad_to_max_length train, resume and shard
+like packed blocks; --gradient_checkpointing computes the same loss; final/ carries a model card."""
+
+from __future__ import annotations
+
+import functools
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+
+from mlm_ddp.config import parse_args
+from mlm_ddp.train import main, train
+from tests.conftest import NO_DROPOUT, read_metrics, tiny_args, train_losses
+from tests.test_topology import launch_with, max_rel_diff
+
+# every flag of transformers' examples/pytorch/language-modeling/run_mlm_no_trainer.py, with a typical
+# value as a user would paste it (None: a store_true flag), and where mlm_ddp keeps it
+SCRIPT_FLAGS = {
+    "--dataset_name": ("wikitext", "data.dataset_name", "wikitext"),
+    "--dataset_config_name": ("wikitext-2-raw-v1", "data.dataset_config_name", "wikitext-2-raw-v1"),
+    "--train_file": ("train.txt", "data.train_file", "train.txt"),
+    "--validation_file": ("valid.txt", "data.validation_file", "valid.txt"),
+    "--validation_split_percentage": ("10", "data.validation_split_percentage", 10.0),
+    "--pad_to_max_length": (None, "data.pad_to_max_length", True),
+    "--model_name_or_path": ("bert-base-uncased", "model.model_name_or_path", "bert-base-uncased"),
+    "--config_name": ("bert-base-uncased", "model.config_name", "bert-base-uncased"),
+    "--tokenizer_name": ("bert-base-uncased", "model.tokenizer_name", "bert-base-uncased"),
+    "--use_slow_tokenizer": (None, "model.use_slow_tokenizer", True),
+    "--per_device_train_batch_size": ("8", "training.per_device_train_batch_size", 8),
+    "--per_device_eval_batch_size": ("8", "training.per_device_eval_batch_size", 8),
+    "--learning_rate": ("5e-5", "training.learning_rate", 5e-5),
+    "--weight_decay": ("0.0", "training.weight_decay", 0.0),
+    "--num_train_epochs": ("3", "training.num_train_epochs", 3.0),
+    "--max_train_steps": ("1000", "training.max_train_steps", 1000),
+    "--gradient_accumulation_steps": ("4", "training.gradient_accumulation_steps", 4),
+    "--lr_scheduler_type": ("cosine_with_restarts", "training.lr_scheduler_type", "cosine_with_restarts"),
+    "--num_warmup_steps": ("100", "training.num_warmup_steps", 100),
+    "--output_dir": ("out", "run.output_dir", "out"),
+    "--seed": ("1234", "training.seed", 1234),
+    "--model_type": ("bert", "model.model_type", "bert"),
+    "--max_seq_length": ("128", "data.max_seq_length", 128),
+    "--line_by_line": ("True", "data.line_by_line", True),  # the script's type=bool takes a word
+    "--preprocessing_num_workers": ("4", "data.preprocessing_num_workers", 4),
+    "--overwrite_cache": (None, "data.overwrite_cache", True),
+    "--mlm_probability": ("0.2", "data.mlm_probability", 0.2),
+    "--push_to_hub": (None, "run.push_to_hub", True),
+    "--hub_model_id": ("me/my-bert", "run.hub_model_id", "me/my-bert"),
+    "--hub_token": ("hf_xyz", "run.hub_token", "hf_xyz"),
+    "--trust_remote_code": (None, "model.trust_remote_code", True),
+    "--checkpointing_steps": ("500", "run.checkpointing_steps", "500"),
+    "--resume_from_checkpoint": ("out/checkpoints/step-0000500", "run.resume_from_checkpoint",
+                                 "out/checkpoints/step-0000500"),
+    "--with_tracking": (None, "run.with_tracking", True),
+    "--report_to": ("tensorboard", "run.report_to", "tensorboard"),
+    "--low_cpu_mem_usage": (None, "model.low_cpu_mem_usage", True),
+}
+SCHEDULES = ["linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup"]
+
+
+@pytest.mark.parametrize("flag", sorted(SCRIPT_FLAGS))
+def test_every_flag_of_the_script_is_accepted_with_its_meaning(flag: str) -> None:
+    value, where, expected = SCRIPT_FLAGS[flag]
+    cfg = parse_args([flag] if value is None else [flag, value])
+    section, name = where.split(".")
+    assert getattr(getattr(cfg, section), name) == expected
+
+
+def test_the_scripts_whole_command_line_parses_at_once() -> None:
+    argv = [word for flag, (value, _, _) in SCRIPT_FLAGS.items()
+            if flag not in ("--dataset_name", "--dataset_config_name", "--model_type")  # exclusive with others
+            for word in ([flag] if value is None else [flag, value])]
+    cfg = parse_args(argv)
+    assert cfg.data.line_by_line and cfg.data.pad_to_max_length and cfg.run.hub_model_id == "me/my-bert"
+    assert cfg.to_dict()["run"]["hub_token"] is None  # never written anywhere
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES + ["inverse_sqrt"])
+def test_every_schedule_of_the_script_is_accepted(schedule: str) -> None:
+    assert parse_args(["--lr_scheduler_type", schedule]).training.lr_scheduler_type == schedule
+
+
+@pytest.mark.parametrize(("extra", "line"), [
+    (["--push_to_hub"], "--push_to_hub: the Hub is switched off here (HF_HUB_OFFLINE is set)"),
+    (["--with_tracking", "--report_to", "comet_ml"], "--report_to 'comet_ml': unknown tracker"),
+    (["--use_slow_tokenizer", "--whole_word_mask"], "--use_slow_tokenizer with --whole_word_mask"),
+    (["--lr_scheduler_type", "reduce_lr_on_plateau"], "it steps on an evaluation metric"),
+    (["--model_type", "bert_generation_x"], "--model_type 'bert_generation_x': not a model type"),
+    (["--model_type", "gpt2"], "has no masked-LM head"),
+])
+def test_what_cannot_work_here_stops_before_anything_is_written(tiny_model: Path, corpus: dict, tmp_path: Path,
+                                                                capsys: pytest.CaptureFixture, extra: list[str],
+                                                                line: str) -> None:
+    args = tiny_args(tiny_model, corpus, tmp_path / "run", "--max_train_steps", "1", *extra)
+    if "--model_type" in extra:  # from scratch: no trained model, the tiny model's tokenizer
+        position = args.index("--model_name_or_path")
+        args[position:position + 2] = ["--tokenizer_name", str(tiny_model)]
+    assert main(args) == 2
+    errors = [x for x in capsys.readouterr().err.splitlines() if x.startswith("mlm_ddp.train: error:")]
+    assert len(errors) == 1 and line in errors[0], errors
+    assert not (tmp_path / "run").exists()
+
+
+# --- --line_by_line, --pad_to_max_length --------------------------------------------------------------
+
+
+LINES = ["--line_by_line", "--max_train_steps", "6", *NO_DROPOUT, "--per_device_train_batch_size", "16"]
+
+
+@pytest.fixture(scope="module")
+def line_runs(tiny_model: Path, corpus: dict, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """One process, line by line: padded per batch, and padded to --max_seq_length."""
+    root = tmp_path_factory.mktemp("lines")
+    runs = {"batch": root / "batch", "max": root / "max"}
+    train(parse_args(tiny_args(tiny_model, corpus, runs["batch"], *LINES, "--checkpointing_steps", "3")))
+    train(parse_args(tiny_args(tiny_model, corpus, runs["max"], *LINES, "--pad_to_max_length")))
+    return runs
+
+
+def test_line_by_line_trains_one_line_per_sequence(line_runs: dict[str, Path], corpus: dict) -> None:
+    first = read_metrics(line_runs["batch"])[1]
+    lines = [line for line in corpus["train"].read_text().splitlines() if line.strip()]
+    # 16 lines a step, each truncated to 32 tokens: fewer tokens than 16 full blocks when lines are short
+    assert 16 * 8 <= first["tokens_seen"] <= 16 * 32 and len(lines) > 16
+    assert yaml.safe_load((line_runs["batch"] / "config.yaml").read_text())["data"]["line_by_line"] is True
+
+
+def test_padding_to_max_length_changes_no_loss(line_runs: dict[str, Path]) -> None:
+    batch, padded = train_losses(line_runs["batch"]), train_losses(line_runs["max"])
+    assert max_rel_diff(batch, padded) <= 1e-4
+    assert read_metrics(line_runs["batch"])[-1]["tokens_seen"] == read_metrics(line_runs["max"])[-1]["tokens_seen"]
+
+
+def test_line_by_line_resumes_exactly(line_runs: dict[str, Path], tiny_model: Path, corpus: dict,
+                                      tmp_path: Path) -> None:
+    resumed = tmp_path / "resumed"
+    shutil.copytree(line_runs["batch"] / "checkpoints" / "step-0000003", tmp_path / "step-0000003")
+    train(parse_args(tiny_args(tiny_model, corpus, resumed, *LINES, "--resume_from_checkpoint",
+                               str(tmp_path / "step-0000003"))))
+    straight, continued = train_losses(line_runs["batch"]), train_losses(resumed)
+    assert sorted(continued) == [4, 5, 6]
+    assert max(abs(straight[s] - continued[s]) / straight[s] for s in continued) <= 1e-5
+
+
+def test_line_by_line_on_two_processes_trains_the_one_process_curve(line_runs: dict[str, Path], tiny_model: Path,
+                                                                     corpus: dict, tmp_path: Path) -> None:
+    proc = launch_with("cpu_ddp.yaml", *tiny_args(tiny_model, corpus, tmp_path, *LINES,
+                                                  "--per_device_train_batch_size", "8", "--pad_to_max_length"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert re.search(r"lines of at most 32 tokens, [\d.]+ on average \([\d.]+% padding: every batch padded to 32\)",
+                     proc.stderr)
+    assert max_rel_diff(train_losses(line_runs["batch"]), train_losses(tmp_path)) <= 1e-4
+
+
+# --- --gradient_checkpointing, the model card -----------------------------------------------------------
+
+
+def test_gradient_checkpointing_computes_the_same_loss(line_runs: dict[str, Path], tiny_model: Path, corpus: dict,
+                                                       tmp_path: Path) -> None:
+    train(parse_args(tiny_args(tiny_model, corpus, tmp_path, *LINES, "--gradient_checkpointing")))
+    assert max_rel_diff(train_losses(line_runs["batch"]), train_losses(tmp_path)) <= 1e-5
+
+
+def test_gradient_checkpointing_runs_each_layer_again_in_the_backward(tiny_model: Path) -> None:
+    import torch
+    from transformers import AutoModelForMaskedLM
+
+    from mlm_ddp.config import ModelConfig
+    from mlm_ddp.model import MaskedLMLoss, with_gradient_checkpointing
+
+    batch = {"input_ids": torch.tensor([[2, 40, 50, 60, 3]]), "attention_mask": torch.ones(1, 5, dtype=torch.long),
+             "labels": torch.tensor([[-100, 40, -100, 60, -100]])}
+    for enabled, forwards in ((False, 1), (True, 2)):
+        model = with_gradient_checkpointing(AutoModelForMaskedLM.from_pretrained(tiny_model),
+                                            ModelConfig(gradient_checkpointing=enabled)).train()
+        calls: list[int] = []
+        model.base_model.encoder.layer[0].attention.register_forward_hook(functools.partial(count, calls))
+        MaskedLMLoss(model)(**batch)[0].backward()
+        assert len(calls) == forwards
+
+
+def count(calls: list[int], *_hook_args: object) -> None:
+    calls.append(1)
+
+
+def test_final_carries_a_model_card_and_no_token(tiny_model: Path, corpus: dict, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    result = train(parse_args(tiny_args(tiny_model, corpus, out, "--max_train_steps", "2",
+                                        "--hub_token", "hf_secret_never_written")))
+    card = (out / "final" / "README.md").read_text()
+    meta = yaml.safe_load(card.split("---")[1])
+    assert meta["pipeline_tag"] == "fill-mask" and meta["library_name"] == "transformers"
+    assert "| training steps | 2 |" in card and f"| tokens trained on | {result.tokens_seen:,} |" in card
+    for name in ("before", "after"):
+        ppl = (result.eval_before if name == "before" else result.eval_after)["perplexity"]
+        assert f"| held-out perplexity {name} training | {ppl:.2f} " in card
+    assert "python -m mlm_ddp.train --model_name_or_path" in card and "--max_train_steps 2" in card
+    written = [p for p in out.rglob("*") if p.is_file() and b"hf_secret_never_written" in p.read_bytes()]
+    assert written == []
