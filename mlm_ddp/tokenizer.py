@@ -1,0 +1,283 @@
+"""`python -m mlm_ddp.tokenizer`: a BERT WordPiece tokenizer trained on the text training reads.
+
+The texts come from `mlm_ddp.data.load_text`, so every source `mlm_ddp.train` reads works the same
+way here: txt/json/jsonl/csv/parquet files, a `datasets` name or folder, `--streaming`, and the
+embedded default corpus. Only the train split is read, and all of it: the tokenizer's config sets
+validation_split_percentage to 0, so nothing is held out (training holds out 5% of the same texts for
+evaluation unless it has a validation set; those texts are in the tokenizer's text, which is what a
+tokenizer should cover). A dataset's own validation split is never read.
+
+The result is BERT's recipe: [PAD] [UNK] [CLS] [SEP] [MASK], BERT's normalizer (lowercasing and accent
+stripping with --lowercase, as bert-base-uncased) and pre-tokenizer, WordPiece pieces continued with
+`##`, and `[CLS] A [SEP]` / `[CLS] A [SEP] B [SEP]`. It is saved as a fast tokenizer folder that
+`AutoTokenizer.from_pretrained` loads and `mlm_ddp.train --tokenizer_name` takes; whole-word masking
+finds its words through the pre-tokenizer (the fast tokenizer's word_ids).
+
+The text is read twice. The `tokenizers` trainer numbers the `##` forms of the characters in hash-map
+order, and the numbers break ties between equally frequent merges, so the same text gave a different
+vocabulary from run to run (huggingface/tokenizers#1794). The first pass only counts, to learn the
+alphabet; the second trains with the `##` forms numbered in sorted order, which makes the
+vocabulary a function of the text alone. The first pass also finds a --vocab_size below the
+alphabet's size before the long part starts.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from datasets import Dataset
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+from transformers import BertTokenizerFast, HfArgumentParser
+
+from mlm_ddp.config import DataConfig, _doc
+from mlm_ddp.data import AnyDataset, load_text
+from mlm_ddp.errors import BadInput
+
+PROG = "mlm_ddp.tokenizer"
+PAD, UNK, CLS, SEP, MASK = "[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"
+SPECIAL_TOKENS = (PAD, UNK, CLS, SEP, MASK)  # ids 0..4, in this order
+CONTINUING_PREFIX = "##"
+TEXTS_PER_BATCH = 1000
+# what save_pretrained writes for a tokenizer, in either transformers 4 or 5: a folder holding one of
+# these already has a tokenizer, and replacing it removes them all so no stale file is loaded instead
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json",
+                   "added_tokens.json")
+
+logger = logging.getLogger(PROG)  # not "__main__" under python -m
+
+
+@dataclass
+class TokenizerConfig:
+    """What to train the tokenizer on, its size, and where it goes."""
+
+    output_dir: str = _doc(
+        "Folder for the tokenizer (tokenizer.json, tokenizer_config.json); may be a model's folder. "
+        "Pass it to mlm_ddp.train as --tokenizer_name."
+    )
+    vocab_size: int = _doc("Tokens in the vocabulary, special tokens included (bert-base: 30522).",
+                           default=30522)
+    min_frequency: int = _doc(
+        "A merged piece enters the vocabulary only if its pair occurs at least this often.", default=2
+    )
+    lowercase: bool = _doc(
+        "Lowercase and strip accents, as bert-base-uncased ('--lowercase false' keeps case and accents).",
+        default=True,
+    )
+    model_max_length: int = _doc("The tokenizer's model_max_length: the longest input it is for.",
+                                 default=512)
+    dataset_name: str | None = _doc(
+        "A `datasets` name or local dataset folder (its train split). Neither this nor --train_file: "
+        "mlm_ddp's embedded default corpus.",
+        default=None,
+    )
+    dataset_config_name: str | None = _doc("Configuration name of --dataset_name.", default=None)
+    train_file: str | None = _doc(
+        "Text to train on: a .txt (one text per line), .json/.jsonl, .csv or .parquet file.", default=None
+    )
+    text_column: str = _doc("Column holding the text (a .txt file's lines are 'text').", default="text")
+    streaming: bool = _doc("Read the data as a stream (nothing is cached or held in memory).", default=False)
+    max_train_samples: int | None = _doc(
+        "Train on the first this many texts only (texts: training's flag counts packed sequences).",
+        default=None,
+    )
+    overwrite_output_dir: bool = _doc(
+        "Replace the tokenizer files already in --output_dir (other files there are kept).", default=False
+    )
+
+    def __post_init__(self) -> None:
+        if self.vocab_size <= len(SPECIAL_TOKENS):
+            raise BadInput(f"--vocab_size must be larger than the {len(SPECIAL_TOKENS)} special tokens, "
+                           f"got {self.vocab_size} (bert-base has 30522)")
+        if self.min_frequency < 0:
+            raise BadInput(f"--min_frequency must be >= 0, got {self.min_frequency}")
+        if self.model_max_length < 1:
+            raise BadInput(f"--model_max_length must be at least 1, got {self.model_max_length}")
+        if self.max_train_samples is not None and self.max_train_samples < 1:
+            raise BadInput(f"--max_train_samples must be at least 1, got {self.max_train_samples}")
+        if not self.output_dir:
+            raise BadInput("--output_dir must not be empty")
+        self.data_config()  # the data flags are checked as training checks them
+
+    def data_config(self) -> DataConfig:
+        """The data section training would build from the same flags, holding no text out.
+
+        max_train_samples stays out: training counts it in packed sequences, this tool in texts.
+        """
+        return DataConfig(
+            dataset_name=self.dataset_name, dataset_config_name=self.dataset_config_name,
+            train_file=self.train_file, text_column=self.text_column, streaming=self.streaming,
+            validation_split_percentage=0.0,
+        )
+
+    def source(self) -> str:
+        if self.train_file is not None:
+            return f"--train_file {self.train_file}"
+        if self.dataset_name is not None:
+            return f"--dataset_name {self.dataset_name}"
+        return "the embedded default corpus"
+
+
+@dataclass
+class TextBatches:
+    """The non-empty texts of one column, in lists of TEXTS_PER_BATCH, readable more than once.
+
+    The trainer consumes an iterator, so a corpus larger than memory (or a stream) is never held whole.
+    """
+
+    dataset: AnyDataset
+    column: str
+    texts: int = 0  # texts yielded by the latest complete pass
+
+    def __iter__(self) -> Iterator[list[str]]:
+        yielded = 0
+        for batch in self.dataset.select_columns([self.column]).iter(batch_size=TEXTS_PER_BATCH):
+            kept = [text for text in batch[self.column] if isinstance(text, str) and text.strip()]
+            yielded += len(kept)
+            if kept:
+                yield kept
+        self.texts = yielded
+
+
+@dataclass(frozen=True)
+class TokenizerResult:
+    vocab_size: int
+    texts: int
+    output_dir: Path
+
+    def summary(self) -> str:
+        return (f"{PROG}: a vocabulary of {self.vocab_size} tokens from {self.texts} texts, written to "
+                f"{self.output_dir}; train with it: python -m mlm_ddp.train --tokenizer_name {self.output_dir}")
+
+
+def bert_wordpiece(lowercase: bool, vocab: dict[str, int] | None = None) -> Tokenizer:
+    """BERT's pipeline around a WordPiece model (untrained without `vocab`)."""
+    model = models.WordPiece(vocab=vocab, unk_token=UNK, continuing_subword_prefix=CONTINUING_PREFIX)
+    tokenizer = Tokenizer(model)
+    tokenizer.normalizer = normalizers.BertNormalizer(clean_text=True, handle_chinese_chars=True,
+                                                      strip_accents=None, lowercase=lowercase)
+    tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tokenizer.decoder = decoders.WordPiece(prefix=CONTINUING_PREFIX)
+    return tokenizer
+
+
+def _train_pass(texts: TextBatches, lowercase: bool, trainer: trainers.WordPieceTrainer) -> dict[str, int]:
+    # no progress bars: they print empty lines on stdout, which carries only the result line
+    tokenizer = bert_wordpiece(lowercase)
+    tokenizer.train_from_iterator(texts, trainer)
+    return tokenizer.get_vocab(with_added_tokens=False)
+
+
+def train_wordpiece(texts: TextBatches, cfg: TokenizerConfig) -> Tokenizer:
+    """A WordPiece vocabulary of at most cfg.vocab_size tokens that depends on the texts alone."""
+    logger.info("reading %s, column %r: counting characters (pass 1 of 2)", cfg.source(), cfg.text_column)
+    counted = _train_pass(texts, cfg.lowercase, trainers.WordPieceTrainer(
+        vocab_size=0, special_tokens=list(SPECIAL_TOKENS), continuing_subword_prefix=CONTINUING_PREFIX,
+        show_progress=False))
+    if texts.texts == 0:
+        raise BadInput(f"{cfg.source()}: no text found in column {cfg.text_column!r} (--text_column): "
+                       "every text is empty")
+    continuations = sorted(token for token in counted if token.startswith(CONTINUING_PREFIX))
+    if cfg.vocab_size < len(counted):
+        raise BadInput(
+            f"--vocab_size {cfg.vocab_size} is too small: the {len(SPECIAL_TOKENS)} special tokens, the "
+            f"{len(counted) - len(SPECIAL_TOKENS) - len(continuations)} characters of the text and their "
+            f"{len(continuations)} '{CONTINUING_PREFIX}' forms already take {len(counted)}; give at least "
+            f"{len(counted)}"
+        )
+    logger.info("%d texts, %d characters, %d '##' forms of them; learning up to %d tokens (pass 2 of 2)",
+                texts.texts, len(counted) - len(SPECIAL_TOKENS) - len(continuations), len(continuations),
+                cfg.vocab_size)
+    # listed as special tokens, the '##' forms get their ids before the trainer meets them in hash order
+    trained = _train_pass(texts, cfg.lowercase, trainers.WordPieceTrainer(
+        vocab_size=cfg.vocab_size, min_frequency=cfg.min_frequency,
+        special_tokens=[*SPECIAL_TOKENS, *continuations], continuing_subword_prefix=CONTINUING_PREFIX,
+        show_progress=False))
+    # BERT's order: special tokens, characters, their '##' forms, then the merges as they were learned;
+    # ids do not change how WordPiece splits (longest match), and the trainer's special list is dropped
+    placed = {*SPECIAL_TOKENS, *continuations}
+    learned = [token for token in sorted(trained, key=trained.__getitem__) if token not in placed]
+    characters = [token for token in learned if len(token) == 1]
+    merges = [token for token in learned if len(token) > 1]
+    order = [*SPECIAL_TOKENS, *characters, *continuations, *merges]
+    tokenizer = bert_wordpiece(cfg.lowercase, {token: index for index, token in enumerate(order)})
+    tokenizer.add_special_tokens(list(SPECIAL_TOKENS))
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{CLS}:0 $A:0 {SEP}:0",
+        pair=f"{CLS}:0 $A:0 {SEP}:0 $B:1 {SEP}:1",
+        special_tokens=[(CLS, order.index(CLS)), (SEP, order.index(SEP))],
+    )
+    return tokenizer
+
+
+def check_output_dir(cfg: TokenizerConfig) -> Path:
+    output = Path(cfg.output_dir)
+    if output.exists() and not output.is_dir():
+        raise BadInput(f"--output_dir {output}: is a file, not a folder")
+    held = [name for name in TOKENIZER_FILES if (output / name).exists()]
+    if held and not cfg.overwrite_output_dir:
+        raise BadInput(f"--output_dir {output} already holds a tokenizer ({', '.join(held)}); pass "
+                       "--overwrite_output_dir to replace it, or choose another folder")
+    return output
+
+
+def save(tokenizer: Tokenizer, cfg: TokenizerConfig, output: Path) -> None:
+    """Write the transformers folder next to the final files first, then move it into place."""
+    wrapped = BertTokenizerFast(
+        tokenizer_object=tokenizer, do_lower_case=cfg.lowercase, strip_accents=None,
+        tokenize_chinese_chars=True, unk_token=UNK, sep_token=SEP, pad_token=PAD, cls_token=CLS,
+        mask_token=MASK, model_max_length=cfg.model_max_length,
+    )
+    output.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=output, prefix=".tokenizer-") as staging:
+        wrapped.save_pretrained(staging)
+        for name in TOKENIZER_FILES:
+            (output / name).unlink(missing_ok=True)
+        for written in sorted(Path(staging).iterdir()):
+            os.replace(written, output / written.name)
+
+
+def train_tokenizer(cfg: TokenizerConfig) -> TokenizerResult:
+    output = check_output_dir(cfg)
+    data = cfg.data_config()
+    # the seed only shuffles a held-out split, and this config holds none out
+    train_texts, _ = load_text(data, seed=0)
+    if cfg.max_train_samples is not None:
+        if isinstance(train_texts, Dataset):
+            train_texts = train_texts.select(range(min(cfg.max_train_samples, len(train_texts))))
+        else:
+            train_texts = train_texts.take(cfg.max_train_samples)
+    texts = TextBatches(train_texts, data.text_column)
+    tokenizer = train_wordpiece(texts, cfg)
+    if tokenizer.get_vocab_size() < cfg.vocab_size:
+        logger.info("the vocabulary stopped at %d tokens: no further pair of pieces occurs "
+                    "--min_frequency %d times", tokenizer.get_vocab_size(), cfg.min_frequency)
+    save(tokenizer, cfg, output)
+    return TokenizerResult(vocab_size=tokenizer.get_vocab_size(), texts=texts.texts, output_dir=output)
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S",
+                        level=logging.INFO)
+    parser = HfArgumentParser(TokenizerConfig, prog=PROG, description=__doc__.split("\n")[0],
+                              allow_abbrev=False)
+    try:
+        cfg, rest = parser.parse_args_into_dataclasses(args=argv, return_remaining_strings=True)
+        if rest:
+            parser.error(f"unrecognized arguments: {' '.join(rest)}")
+        result = train_tokenizer(cfg)
+    except BadInput as err:
+        # one write: the line arrives whole even on an unbuffered stderr
+        sys.stderr.write(err.line(PROG) + "\n")
+        return err.exit_code
+    print(result.summary())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
