@@ -75,7 +75,8 @@ def test_mlm_probability_outside_open_unit_interval(value: str) -> None:
 @pytest.mark.parametrize(
     ("values", "message"),
     [
-        ({"lr_scheduler_type": "sawtooth"}, "--lr_scheduler_type sawtooth: not a schedule transformers knows; use one of linear"),
+        ({"lr_scheduler_type": "sawtooth"},
+         "--lr_scheduler_type sawtooth: not a schedule transformers knows; use one of linear"),
         ({"checkpointing_steps": "often"}, "--checkpointing_steps must be a positive integer or 'epoch'"),
         ({"streaming": True}, "--streaming needs --max_train_steps"),
         ({"per_device_train_batch_size": 0}, "--per_device_train_batch_size must be at least 1"),
