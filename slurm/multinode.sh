@@ -43,10 +43,11 @@ config=${ACCELERATE_CONFIG:-accelerate_configs/multi_node.yaml}
 # checkpoints.
 python -c '
 import sys
-from mlm_ddp.config import ConfigError, parse_args
+from mlm_ddp.config import parse_args
+from mlm_ddp.errors import BadInput
 try:
     out = parse_args(sys.argv[1:]).run
-except ConfigError as err:
+except BadInput as err:
     sys.exit(f"slurm/multinode.sh: error: {err}")
 if out.overwrite_output_dir:
     sys.exit(f"slurm/multinode.sh: error: --overwrite_output_dir: every attempt of this job, requeues included, "
