@@ -55,8 +55,9 @@ class ModelConfig:
         default=None,
     )
     use_slow_tokenizer: bool = _doc(
-        "Load the Python ('slow') tokenizer instead of the Rust one: packing is then much slower, and "
-        "--whole_word_mask refuses it (it reads the fast tokenizer's word ids).",
+        "Load the Python ('slow') tokenizer where the installed transformers has one (4.x; 5.x has Rust "
+        "tokenizers only for BERT-family models, so there nothing changes). A slow one packs much more "
+        "slowly, and --whole_word_mask refuses it: it reads the word ids only a fast tokenizer gives.",
         default=False,
     )
     trust_remote_code: bool = _doc(

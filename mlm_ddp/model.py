@@ -61,17 +61,16 @@ def _quiet_transformers() -> Iterator[None]:
 def load_tokenizer(cfg: ModelConfig, needs_word_ids: bool = False) -> Any:
     """The tokenizer (`needs_word_ids`: whole-word masking, which reads a fast tokenizer's word ids)."""
     name = cfg.tokenizer_name or resolve_model_path(cfg)
-    if cfg.use_slow_tokenizer and needs_word_ids:
-        raise BadInput("--use_slow_tokenizer with --whole_word_mask: whole-word masking reads the word ids that only "
-                       "a fast tokenizer gives; drop --use_slow_tokenizer, or --whole_word_mask")
     try:
         tokenizer = AutoTokenizer.from_pretrained(name, use_fast=not cfg.use_slow_tokenizer,
                                                   trust_remote_code=cfg.trust_remote_code)
     except (OSError, ValueError) as err:
         raise BadInput(f"tokenizer {name!r} could not be loaded: {err}") from err
     if needs_word_ids and not getattr(tokenizer, "is_fast", False):
-        raise BadInput(f"tokenizer {name!r} is not a fast tokenizer (no tokenizer.json), which --whole_word_mask "
-                       "needs for its word ids; pass --tokenizer_name with a fast one")
+        fix = ("drop --use_slow_tokenizer, or --whole_word_mask" if cfg.use_slow_tokenizer else
+               "pass --tokenizer_name with a fast one (a tokenizer.json)")
+        raise BadInput(f"tokenizer {name!r} is a slow (Python) tokenizer, and --whole_word_mask reads the word ids "
+                       f"only a fast one gives: {fix}")
     if tokenizer.mask_token is None or tokenizer.mask_token_id is None:
         raise BadInput(
             f"tokenizer {name!r} has no mask token, so it cannot be used for masked-LM training; "
