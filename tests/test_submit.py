@@ -164,7 +164,7 @@ def test_a_finished_run_submitted_again_is_a_success(slurm: dict, submitted: Pat
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert f": {STEPS} steps, model in {submitted / 'final'}" in proc.stdout
     job = re.search(r"submitted job (\d+)", proc.stdout).group(1)
-    assert job_fields(slurm, job)["JobState"] == "COMPLETED"
+    assert wait_done(slurm, job, 60) == "COMPLETED"  # Slurm records the end a moment after --wait returns
     logs = task_logs(submitted / "submitit", job)
     assert len(logs) == 2
     for log in logs:  # every task: one line, no traceback
@@ -183,6 +183,8 @@ def test_bad_input_found_on_the_cluster_ends_every_task_with_one_line_and_exit_2
     [line] = [line for line in proc.stderr.splitlines() if line.startswith("mlm_ddp.submit:")]
     assert line.startswith(f"mlm_ddp.submit: job {job} stopped on bad input, on every task, not requeued: "
                            "--max_seq_length 128 is above the model's maximum"), proc.stderr
+    # --wait answers from the tasks' result files; Slurm records the job's end a moment after they exit
+    wait_done(slurm, job, 60)
     fields = job_fields(slurm, job)
     assert (fields["JobState"], fields["ExitCode"], fields["Restarts"]) == ("FAILED", "2:0", "0")
     logs = task_logs(out / "submitit", job)
