@@ -310,6 +310,13 @@ def start_accelerator(topo: Topology, fsdp_plugin: Any, training: Any, ddp_timeo
     return accelerator, precision
 
 
+def sharded(accelerator: Any) -> bool:
+    """FSDP shards the parameters: every forward is a collective and the model is not whole anywhere."""
+    from accelerate.utils import DistributedType
+
+    return accelerator.distributed_type == DistributedType.FSDP
+
+
 def any_rank(accelerator: Any, flag: bool) -> bool:
     """True on every rank when `flag` is true on any rank (a collective of the training group)."""
     import torch

@@ -12,10 +12,10 @@ from typing import Any
 import torch
 from accelerate import Accelerator
 from accelerate.logging import get_logger
-from accelerate.utils import DistributedType
 from torch.utils.data import DataLoader
 
 from mlm_ddp import data as mdata
+from mlm_ddp.distributed import sharded
 from mlm_ddp.masking import IGNORE_INDEX
 from mlm_ddp.run_log import TrainingClock
 
@@ -30,11 +30,6 @@ def masked_lm_metrics(loss_sum: float, masked: int, correct: int) -> dict[str, f
     loss = loss_sum / masked
     return {"loss": loss, "perplexity": math.exp(min(loss, 700.0)),  # exp overflows float64 past ~709
             "accuracy": correct / masked, "num_tokens": masked}
-
-
-def sharded(accelerator: Accelerator) -> bool:
-    """FSDP shards the parameters: every forward is a collective and the model is not whole anywhere."""
-    return accelerator.distributed_type == DistributedType.FSDP
 
 
 def padded(batches: list[Batch], total: int) -> Iterator[Batch]:

@@ -13,10 +13,10 @@ import torch
 import torch.nn.functional as F
 import transformers
 from accelerate.logging import get_logger
-from accelerate.utils import DistributedType
 from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForMaskedLM, AutoTokenizer, PreTrainedModel, get_scheduler
 
 from mlm_ddp.config import ModelConfig, TrainingConfig
+from mlm_ddp.distributed import sharded
 from mlm_ddp.errors import BadInput
 
 logger = get_logger(__name__)
@@ -375,7 +375,7 @@ def prepare_for_training(accelerator: Any, transformers_model: PreTrainedModel, 
                               num_training_steps=total_steps)
     ties = tied_parameters(model.model)
     n_params = sum(p.numel() for p in model.model.parameters())  # before FSDP leaves each rank its shard
-    if accelerator.distributed_type == DistributedType.FSDP:
+    if sharded(accelerator):
         configure_fsdp_units(accelerator.state.fsdp_plugin, model_cfg.fsdp_wrap_classes, model.model)
     model, optimizer = accelerator.prepare(model, optimizer)
     check_tied(accelerator.unwrap_model(model).model, ties)

@@ -19,7 +19,7 @@ from mlm_ddp import checkpoint as ckpt
 from mlm_ddp.config import Config
 from mlm_ddp.distributed import MainProcessWait
 from mlm_ddp.errors import EXIT_REQUEUE, AlreadyFinished, BadInput
-from mlm_ddp.model import inner_state_dict
+from mlm_ddp.model import from_scratch, inner_state_dict
 from mlm_ddp.report import write_report
 
 logger = get_logger(__name__)
@@ -199,7 +199,7 @@ def model_card(cfg: Config, steps: int, tokens: int, eval_before: dict[str, floa
     """final/README.md in the Hub's model-card format: YAML metadata, then what was trained on what,
     for how long, how well, and the command that does it again."""
     model, data = cfg.model, cfg.data
-    if model.model_name_or_path is None and (model.config_name or model.model_type):
+    if from_scratch(model):
         base, hub_base = None, None
         origin = f"a {model_type} pretrained from scratch (config: {model.config_name or model.model_type})"
     else:
