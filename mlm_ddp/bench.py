@@ -21,6 +21,7 @@ import json
 import math
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -31,7 +32,7 @@ from accelerate import Accelerator
 from transformers import AutoModelForMaskedLM, DataCollatorForLanguageModeling, HfArgumentParser
 
 from mlm_ddp import data as mdata
-from mlm_ddp import distributed
+from mlm_ddp import distributed, heartbeat
 from mlm_ddp.config import ModelConfig, _doc, from_dict
 from mlm_ddp.errors import BadInput
 from mlm_ddp.masking import EVAL_SPLIT, IGNORE_INDEX, TRAIN_SPLIT, MaskingCollator
@@ -273,6 +274,8 @@ def bench(cfg: BenchConfig) -> dict[str, Any]:
         steps_done += cfg.steps
 
     peak = measure_peak(accelerator)
+    with tempfile.TemporaryDirectory() as scratch:
+        beat_s = heartbeat.cost_per_beat(scratch)
     result: dict[str, Any] = {
         "device": torch.cuda.get_device_name(device) if cuda else f"cpu ({torch.get_num_threads()} threads, "
                                                                    f"{torch.backends.cpu.get_cpu_capability()})",
@@ -291,6 +294,9 @@ def bench(cfg: BenchConfig) -> dict[str, Any]:
             "perplexity": perplexity(recipe.transformers_model, held_out, eval_collator, cfg.batch, accelerator),
         }
     result["ratio"] = result["mlm_ddp"]["tokens_per_s"] / result["hf"]["tokens_per_s"]
+    step_s = cfg.batch * cfg.seq / result["mlm_ddp"]["tokens_per_s"]
+    result["heartbeat"] = {"us_per_beat": beat_s * 1e6, "beats_per_step": heartbeat.BEATS_PER_STEP,
+                           "share_of_step": beat_s * heartbeat.BEATS_PER_STEP / step_s}
     result["perplexity_ratio"] = result["mlm_ddp"]["perplexity"] / result["hf"]["perplexity"]
     if cfg.profile:
         result["profile"] = profile_table(ours, batch_at(steps_done), device)
@@ -333,6 +339,8 @@ def format_table(result: dict[str, Any]) -> str:
         f"(both started at {result['perplexity_start']:.1f})",
         f"peak: {result['peak_tflops']:.3f} TFLOP/s ({cfg['precision']} matmul, measured in this run); MFU counts "
         "the matmul FLOPs each recipe computes, so (b) does fewer FLOPs per token for the same loss",
+        f"heartbeat (hang localisation): {result['heartbeat']['beats_per_step']} beats per step x "
+        f"{result['heartbeat']['us_per_beat']:.1f} us = {result['heartbeat']['share_of_step']:.3%} of (b)'s step",
     ]
     return "\n".join(lines)
 

@@ -20,7 +20,7 @@ import shutil
 import signal
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -40,12 +40,15 @@ RESUMABLE_CHANGES = {
     "run.output_dir", "run.overwrite_output_dir", "run.logging_steps", "run.eval_steps",
     "run.checkpointing_steps", "run.save_total_limit", "run.resume_from_checkpoint", "run.with_tracking",
     "run.report_to", "run.report", "run.stop_signals", "run.ddp_timeout", "run.preprocessing_timeout",
-    "run.save_timeout", "run.on_nonfinite_loss", "training.max_train_steps", "training.num_train_epochs",
+    "run.save_timeout", "run.on_nonfinite_loss", "run.on_loss_spike", "run.loss_spike_factor",
+    "run.loss_spike_window", "training.max_train_steps", "training.num_train_epochs",
     "training.cpu_threads",
     "data.preprocessing_num_workers", "model.mlm_head", "model.fsdp_wrap_classes", "training.optimizer_impl",
     "training.torch_compile", "run.push_to_hub", "run.hub_model_id", "run.hub_token", "data.overwrite_cache",
     "model.trust_remote_code", "model.low_cpu_mem_usage", "model.gradient_checkpointing",
 }
+# how the global batch is split: may change on resume when the product with the processes is kept
+BATCH_SPLIT = {"training.per_device_train_batch_size", "training.gradient_accumulation_steps"}
 SAFE_LOADING_TORCH = (2, 4)  # pyproject's torch floor; tests/test_neighbours.py checks they agree
 # FSDP with SHARDED_STATE_DICT: accelerate's folders for model 0 and optimizer 0, each a
 # torch.distributed.checkpoint folder
@@ -65,6 +68,10 @@ class TrainerState:
     batch_in_epoch: int  # index, within that epoch, of the next micro-batch this rank reads
     tokens_seen: int  # non-padding input tokens, all ranks together
     world_size: int
+    # map-style data: slots of that epoch read by all ranks together, and the global micro-batch
+    # the epochs are laid out for (data.EpochBatchSampler); None in checkpoints older than both
+    block_in_epoch: int | None = None
+    layout_batch: int | None = None
 
 
 def checkpoints_dir(output_dir: str | Path) -> Path:
@@ -204,17 +211,12 @@ def check_dcp_metadata(path: Path) -> None:
 def check_resume(path: Path, current: dict, world_size: int,
                  sharded: bool = False) -> tuple[TrainerState, dict]:
     """The state to continue from, after checking that this run may continue it; also returns the
-    accepted config changes (to be logged). Refusals name what differs."""
+    accepted config changes (to be logged). Refusals name what differs. Another number of processes
+    is accepted when the global batch is kept (`check_global_batch`)."""
     import torch
 
     check_safe_loading(torch.__version__)
     state = read_state(path)
-    if state.world_size != world_size:
-        raise BadInput(
-            f"{path} was written by {state.world_size} process(es) and this run has {world_size}: each "
-            f"process's RNG state and data position are saved, so resume with {state.world_size} "
-            "process(es) (and the same per-device batch)"
-        )
     written_sharded = (path / SHARDED_DIRS[0]).is_dir()
     if written_sharded != sharded:
         raise BadInput(
@@ -222,8 +224,14 @@ def check_resume(path: Path, current: dict, world_size: int,
             f"{'shards the model with FSDP' if sharded else 'does not shard the model'}: resume it with the "
             "accelerate config that wrote it"
         )
-    expected = [STATE_FILE, SCHEDULER_FILE, "config.yaml", *state_files(world_size, sharded),
-                *(f"random_states_{rank}.pkl" for rank in range(world_size))]
+    if sharded and state.world_size != world_size:
+        raise BadInput(
+            f"{path} is an FSDP checkpoint written by {state.world_size} process(es) and this run has "
+            f"{world_size}: sharded checkpoints resume on the number of processes that wrote them; resume "
+            f"with {state.world_size} process(es), or train with DDP to resume on another number"
+        )
+    expected = [STATE_FILE, SCHEDULER_FILE, "config.yaml", *state_files(state.world_size, sharded),
+                *(f"random_states_{rank}.pkl" for rank in range(state.world_size))]
     missing = [name for name in expected if not (path / name).is_file()]
     if missing:
         raise BadInput(f"{path}: not a checkpoint of this mlm_ddp version, or damaged: missing "
@@ -235,8 +243,11 @@ def check_resume(path: Path, current: dict, world_size: int,
         saved = yaml.safe_load((path / "config.yaml").read_text())
     except yaml.YAMLError as err:
         raise BadInput(f"{path / 'config.yaml'}: unreadable ({err})") from err
-    changes = config_changes(saved if isinstance(saved, dict) else {}, current)
-    refused = {k: v for k, v in changes.items() if k not in RESUMABLE_CHANGES}
+    saved = saved if isinstance(saved, dict) else {}
+    old_batch, old_accumulation = _batch_split(saved)
+    check_global_batch(path, (old_batch, state.world_size, old_accumulation), (*_batch_split(current), world_size))
+    changes = config_changes(saved, current)
+    refused = {k: v for k, v in changes.items() if k not in RESUMABLE_CHANGES | BATCH_SPLIT}
     if refused:
         listed = "; ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in refused.items())
         raise BadInput(
@@ -244,7 +255,67 @@ def check_resume(path: Path, current: dict, world_size: int,
             "the resumed run would not continue the same training: resume with the checkpoint's "
             "settings (its config.yaml), or start a new run in another --output_dir"
         )
+    if state.layout_batch is None:  # written before layouts were saved: its own micro-batch
+        state.layout_batch = old_batch * state.world_size
+    if state.block_in_epoch is None:
+        state.block_in_epoch = state.batch_in_epoch * state.layout_batch
     return state, changes
+
+
+def _batch_split(config: dict) -> tuple[int, int]:
+    """(per-device batch, accumulation) of a config dict."""
+    training = config.get("training") or {}
+    return int(training.get("per_device_train_batch_size") or 0), int(training.get("gradient_accumulation_steps") or 1)
+
+
+def check_global_batch(path: Path, written: tuple[int, int, int], now: tuple[int, int, int]) -> None:
+    """Refuse a resume whose global batch (per-device batch x processes x accumulation) differs from
+    the checkpoint's, with the arithmetic and the flags that would keep it."""
+    (old_batch, old_world, old_accumulation), (batch, world, accumulation) = written, now
+    kept = old_batch * old_world * old_accumulation
+    if batch * world * accumulation == kept:
+        return
+    if kept % world:
+        fix = (f"{kept} sequences do not split over {world} processes: resume on a number of processes that "
+               f"divides {kept}")
+    else:
+        per_process = kept // world
+        options = ([f"--gradient_accumulation_steps {per_process // batch}"] if per_process % batch == 0 else []) + (
+            [f"--per_device_train_batch_size {per_process // accumulation}"] if per_process % accumulation == 0 else [])
+        options = options or [f"--per_device_train_batch_size {per_process} --gradient_accumulation_steps 1"]
+        fix = (f"with {world} process(es), per-device batch x accumulation must be {per_process}: use "
+               + " or ".join(options))
+    raise BadInput(
+        f"{path} was written with a global batch of {kept} sequences per optimizer step ({old_batch} per device x "
+        f"{old_world} process(es) x {old_accumulation} accumulation) and this run's is {batch * world * accumulation} "
+        f"({batch} x {world} x {accumulation}); another global batch would change what every step computes. "
+        f"Keep it: {fix}"
+    )
+
+
+def elastic_stream_start(path: Path, state: TrainerState, world_size: int,
+                         file_bytes: int | None) -> tuple[TrainerState, str]:
+    """Where a stream checkpoint of another number of processes resumes: each rank's saved position
+    is in its own part of the stream, which another number of processes splits differently, so the
+    run goes on at the next epoch's start; returns that state and the log line saying what is skipped
+    (`file_bytes`: the stream's files' size, when they are local files)."""
+    if state.batch_in_epoch == 0:
+        return replace(state, world_size=world_size), (
+            f"the stream resumes at the start of epoch {state.epoch} on {world_size} process(es) "
+            f"(written by {state.world_size}); nothing is skipped")
+    reads = [read_data_state(path, rank) or {} for rank in range(state.world_size)]
+    blocks = sum(r.get("epoch_blocks", 0) for r in reads)
+    texts, text_bytes = sum(r.get("texts", 0) for r in reads), sum(r.get("bytes", 0) for r in reads)
+    line = (f"the stream checkpoint {path.name} was written by {state.world_size} process(es) and this run has "
+            f"{world_size}: their parts of the stream differ, so training goes on at the start of epoch "
+            f"{state.epoch + 1}; the rest of epoch {state.epoch} is skipped. Its {state.world_size} part(s) had "
+            f"trained on {blocks} packed block(s) of it, from {texts} text(s) ({text_bytes / 1e6:.1f} MB) before "
+            "each part's current chunk and part of that chunk")
+    if file_bytes:
+        skipped = max(file_bytes - text_bytes, 0)
+        line += (f"; the stream's files hold {file_bytes / 1e6:.1f} MB, so at most {skipped / 1e6:.1f} MB "
+                 f"({skipped / file_bytes:.0%}) of the epoch is skipped")
+    return replace(state, epoch=state.epoch + 1, batch_in_epoch=0, block_in_epoch=0, world_size=world_size), line
 
 
 def data_state_name(rank: int) -> str:
@@ -431,7 +502,7 @@ class Checkpointer:
             return checkpoints_dir(self.out) / step_dir_name(state.step)
         return self.save(state, data_state)
 
-    def restore(self, path: Path, accepted_changes: dict) -> None:
+    def restore(self, path: Path, accepted_changes: dict, step: int) -> None:
         """Load a checkpoint that `check_resume` accepted. Tensors come from safetensors or from
         `torch.load(weights_only=True)` (accelerate's default), the scheduler from JSON: a folder that
         holds anything else is refused, never executed."""
@@ -442,6 +513,9 @@ class Checkpointer:
         try:
             self.accelerator.load_state(str(path))
             self.scheduler.load_state_dict(json.loads((path / SCHEDULER_FILE).read_text()))
+            # accelerate restores its micro-batch counter, which decides the micro-batch that all-reduces
+            # the gradients: recount it for this run's accumulation (a resume may change it)
+            self.accelerator.step = step * self.accelerator.gradient_accumulation_steps
         except torch.distributed.DistError:
             raise
         except Exception as err:  # safetensors, torch.load and load_state_dict each have their own types

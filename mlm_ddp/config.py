@@ -364,6 +364,18 @@ class RunConfig:
         "scaler's business and never count.",
         default="stop",
     )
+    on_loss_spike: Literal["off", "skip", "rollback"] = _doc(
+        "A loss spike: a step whose loss is above --loss_spike_factor x the median of the last "
+        "--loss_spike_window steps' losses. 'skip' drops that step's update (the step counts); 'rollback' "
+        "reloads the newest checkpoint (needs --checkpointing_steps), skips the spike's micro-batches and "
+        "trains on (before the first checkpoint: as 'skip'). Both are counted in summary.json. Off by "
+        "default: judging costs one more all-reduce and a host sync per step.",
+        default="off",
+    )
+    loss_spike_factor: float = _doc("A step's loss above this multiple of the running median is a spike.",
+                                    default=2.0)
+    loss_spike_window: int = _doc(
+        "Steps in the running median of --on_loss_spike (judging starts after 10 of them).", default=100)
 
     def __post_init__(self) -> None:
         if not self.output_dir:
@@ -390,6 +402,13 @@ class RunConfig:
         for flag, value in timeouts.items():
             if value < 1:
                 raise BadInput(f"{flag} must be at least 1 second, got {value}")
+        if self.loss_spike_factor <= 1:
+            raise BadInput(f"--loss_spike_factor must be above 1, got {self.loss_spike_factor}")
+        if self.loss_spike_window < 10:
+            raise BadInput(f"--loss_spike_window must be at least 10 steps, got {self.loss_spike_window}")
+        if self.on_loss_spike == "rollback" and self.checkpointing_steps is None:
+            raise BadInput("--on_loss_spike rollback reloads the newest checkpoint: set --checkpointing_steps, "
+                           "or use --on_loss_spike skip")
 
     def signal_names(self) -> list[str]:
         return [n.strip().upper() for n in self.stop_signals.split(",") if n.strip()]

@@ -12,7 +12,8 @@ Sharding, one way per kind of data, never twice (the loaders are not passed thro
   `per_device_batch x world_size`; rank r takes the r-th slice of every global batch. The last global
   batch is filled up with the first blocks of the permutation (counted in `padding`), so every rank
   runs the same number of steps and the composition of each global batch, hence the loss curve, does
-  not depend on how many processes share it.
+  not depend on how many processes share it. A run resumed on another number of processes keeps
+  the first run's layout of the epochs (`EpochBatchSampler`), so its steps read the same blocks.
 - streams: the raw texts are split before they are shuffled and tokenized (`shard_stream`). With a
   number of shards (files) divisible by the world size each rank reads only its own shards, the
   same ones every epoch; when the shards are local files their sizes are known up front and the
@@ -46,7 +47,7 @@ from torch.utils.data import DataLoader, Sampler
 from mlm_ddp.config import DataConfig, TrainingConfig
 from mlm_ddp.distributed import patient_main_process_first
 from mlm_ddp.errors import BadInput
-from mlm_ddp.masking import EVAL_SPLIT, TRAIN_SPLIT, MaskingCollator
+from mlm_ddp.masking import EPOCH_KEY, EVAL_SPLIT, TRAIN_SPLIT, MaskingCollator
 
 SUFFIX_BUILDERS = {".txt": "text", ".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
 EMBEDDED_CORPUS = "python-docs"
@@ -264,42 +265,80 @@ def pack_stats(ds: Dataset, block_size: int) -> PackStats:
 
 
 class EpochBatchSampler(Sampler[list[int]]):
-    """This rank's batches of one epoch of a map-style dataset (see the module docstring).
+    """This rank's micro-batches of a map-style dataset, epoch after epoch, without end (see the
+    module docstring).
 
-    Pure in (num_samples, batch_size, rank, world_size, seed, epoch): the same arguments give the
-    same batches; `set_epoch(epoch, start_batch)` picks the epoch and where to resume inside it.
+    Epoch e is one permutation of the blocks seeded by (seed, e), wrapped to fill `epoch_blocks`
+    slots: a multiple of `layout_batch`, the global micro-batch (per-device batch x processes) of the
+    run that began the training. The epochs' slots are read as one sequence: each micro-batch takes
+    the next `global_batch` = batch_size x world_size slots and rank r the r-th slice of them. A run
+    resumed on another number of processes keeps the layout of the run that began, so each optimizer
+    step reads the blocks the uninterrupted run's step read (the global batch per step is kept); its
+    micro-batches may then run across an epoch end. Keys are `epoch * num_samples + block`, which
+    `EpochKeyed` turns into rows that carry the epoch their masks are seeded with.
+
+    Pure in (num_samples, batch_size, rank, world_size, seed, layout_batch) and the slot set by `seek`.
     """
 
     def __init__(self, num_samples: int, batch_size: int, rank: int, world_size: int,
-                 seed: int, shuffle: bool = True) -> None:
+                 seed: int, shuffle: bool = True, layout_batch: int | None = None) -> None:
         if num_samples < 1:
             raise BadInput("the training data packs into zero blocks: give it more text")
         self.num_samples, self.batch_size = num_samples, batch_size
         self.rank, self.world_size = rank, world_size
         self.seed, self.shuffle = seed, shuffle
-        self.epoch, self.start_batch = 0, 0
         self.global_batch = batch_size * world_size
-        self.batches_per_epoch = math.ceil(num_samples / self.global_batch)
-        # blocks repeated to fill the last global batch, every epoch
-        self.padding = self.batches_per_epoch * self.global_batch - num_samples
+        self.layout_batch = layout_batch or self.global_batch
+        self.epoch_blocks = math.ceil(num_samples / self.layout_batch) * self.layout_batch
+        self.padding = self.epoch_blocks - num_samples  # blocks repeated to fill the last slots, every epoch
+        self.start = 0  # slot of the next micro-batch, counted from the first epoch's first
 
-    def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
-        self.epoch, self.start_batch = epoch, start_batch
+    @property
+    def batches_per_epoch(self) -> float:
+        """Micro-batches per epoch (whole unless this run's global micro-batch differs from the layout's)."""
+        return self.epoch_blocks / self.global_batch
 
-    def global_order(self) -> np.ndarray:
+    def seek(self, slot: int) -> None:
+        self.start = slot
+
+    def epoch_order(self, epoch: int) -> np.ndarray:
+        """The blocks of epoch `epoch`, slot by slot, (epoch_blocks,)."""
         if self.shuffle:
-            order = np.random.default_rng([self.seed, self.epoch]).permutation(self.num_samples)
+            order = np.random.default_rng([self.seed, epoch]).permutation(self.num_samples)
         else:
             order = np.arange(self.num_samples)
-        return np.resize(order, self.batches_per_epoch * self.global_batch)  # wraps to fill
+        return np.resize(order, self.epoch_blocks)  # wraps to fill
 
     def __iter__(self) -> Iterator[list[int]]:
-        order = self.global_order().reshape(self.batches_per_epoch, self.world_size, self.batch_size)
-        for step in range(self.start_batch, self.batches_per_epoch):
-            yield order[step, self.rank].tolist()
+        slot, epoch, order = self.start, -1, np.empty(0, dtype=np.int64)
+        while True:
+            mine = slot + self.rank * self.batch_size
+            keys = []
+            for position in range(mine, mine + self.batch_size):
+                if position // self.epoch_blocks != epoch:
+                    epoch = position // self.epoch_blocks
+                    order = self.epoch_order(epoch)
+                keys.append(epoch * self.num_samples + int(order[position % self.epoch_blocks]))
+            yield keys
+            slot += self.global_batch
+
+
+class EpochKeyed(torch.utils.data.Dataset):
+    """A map-style dataset read with `EpochBatchSampler`'s keys: each row also carries the epoch it
+    is read in (`EPOCH_KEY`), because a micro-batch may hold blocks of two epochs."""
+
+    def __init__(self, ds: Dataset) -> None:
+        self.ds, self.n = ds, len(ds)
 
     def __len__(self) -> int:
-        return self.batches_per_epoch - self.start_batch
+        return self.n
+
+    def __getitem__(self, key: int) -> dict:
+        return self.__getitems__([key])[0]
+
+    def __getitems__(self, keys: list[int]) -> list[dict]:
+        rows = self.ds.__getitems__([key % self.n for key in keys])
+        return [{**row, EPOCH_KEY: key // self.n} for row, key in zip(rows, keys, strict=True)]
 
 
 def stream_sharding(num_shards: int, world_size: int) -> str:
@@ -652,39 +691,70 @@ class StreamEpochEnd:
                 f"{dropped_so_far}); {'; '.join(parts)}")
 
 
+@dataclass(frozen=True)
+class FeedPosition:
+    """Where a `TrainFeed`'s next window starts: what a checkpoint taken before it resumes from."""
+
+    epoch: int
+    batch_in_epoch: int  # micro-batches of `epoch` this rank has read (map-style: whole ones)
+    block_in_epoch: int | None  # map-style: slots of `epoch` read by all ranks together; streams: None
+    stream: dict[str, Any] | None  # this rank's exact stream position, if it has one
+
+
 class TrainFeed:
     """This rank's micro-batches, one window of `accumulation` per optimizer step, epoch after epoch.
 
-    Map-style: every rank has exactly `batches_per_epoch` batches, so a window may run across an
-    epoch end, as it would in one process. Streams: the ranks' shards end at different batches. A
-    window never crosses an epoch end; when any rank cannot fill its window, all ranks learn it from
-    one all-reduce (`any_rank`), drop their partial windows and start the next epoch together, so no
-    rank waits in a collective for one that has run out (datasets #6623, #6437). The micro-batches
-    of dropped partial windows are counted in `dropped_batches`; the rest of a longer shard is not
-    read in that epoch: at each epoch end one more collective (`gather`: every rank's numbers, in
-    rank order; None when this is the only process) collects what each rank read into
-    `last_epoch_end`. An epoch that ends before any rank filled one window can never train: all
-    ranks raise the same BadInput there, instead of starting the next epoch forever.
+    Map-style: `EpochBatchSampler` reads the epochs as one sequence of slots, so a window may run
+    across an epoch end, as it would in one process; `start_block` (slots of `epoch` already read,
+    all ranks) places a resumed run, else `start` micro-batches. Streams: the ranks' shards end at
+    different batches. A window never crosses an epoch end; when any rank cannot fill its window,
+    all ranks learn it from one all-reduce (`any_rank`), drop their partial windows and start the
+    next epoch together, so no rank waits in a collective for one that has run out (datasets #6623,
+    #6437). The micro-batches of dropped partial windows are counted in `dropped_batches`; the rest
+    of a longer shard is not read in that epoch: at each epoch end one more collective (`gather`:
+    every rank's numbers, in rank order; None when this is the only process) collects what each rank
+    read into `last_epoch_end`. An epoch that ends before any rank filled one window can never train:
+    all ranks raise the same BadInput there, instead of starting the next epoch forever.
     """
 
     def __init__(self, loader: DataLoader, collator: Any, accumulation: int, epoch: int, start: int,
                  any_rank: Callable[[bool], bool], stream_state: dict[str, Any] | None = None,
-                 gather: Callable[[list[float]], list[list[float]]] | None = None) -> None:
+                 gather: Callable[[list[float]], list[list[float]]] | None = None,
+                 start_block: int | None = None) -> None:
         self.loader, self.collator, self.accumulation = loader, collator, accumulation
         self.any_rank = any_rank
         self.gather = gather if gather is not None else (lambda values: [values])
         self.stream = is_stream(loader.dataset)
         # a PackedStream read in this process can say exactly where it is; anything else re-reads
         self.exact = isinstance(loader.dataset, PackedStream) and loader.num_workers == 0
-        self._stream_state = stream_state if self.exact else None
-        self.batches_per_epoch = None if self.stream else loader.batch_sampler.batches_per_epoch
-        self.epoch, self.index = epoch, start  # position of the next micro-batch
+        self.sampler: EpochBatchSampler | None = None if self.stream else loader.batch_sampler
         self.dropped_batches = 0
         self.last_epoch_batches = 0  # micro-batches each rank trained on in the last stream epoch
         self.last_epoch_end: StreamEpochEnd | None = None
+        self.seek(epoch, start, start_block, stream_state)
+
+    def seek(self, epoch: int, start: int, start_block: int | None = None,
+             stream_state: dict[str, Any] | None = None) -> None:
+        """Continue from a position (`__init__`'s arguments): a start, a resume or a rollback."""
+        self._epoch, self._index = epoch, start  # streams: position of the next micro-batch
+        self._stream_state = stream_state if self.exact else None
+        if self.sampler is not None:  # map-style: the slot of the next micro-batch, from the first epoch
+            within = start_block if start_block is not None else start * self.sampler.global_batch
+            self.slot = epoch * self.sampler.epoch_blocks + within
         self._it: Iterator[Any] | None = None
         self._primed: list[Any] | None = None  # a window read ahead by `prime`, and where it starts
-        self._primed_at: tuple[int, int, dict[str, Any] | None] = (epoch, start, None)
+        self._primed_at: FeedPosition | None = None
+
+    @property
+    def epoch(self) -> int:
+        return self._epoch if self.sampler is None else self.slot // self.sampler.epoch_blocks
+
+    @property
+    def index(self) -> int:
+        """Micro-batches of the current epoch read so far (map-style: whole ones)."""
+        if self.sampler is None:
+            return self._index
+        return self.slot % self.sampler.epoch_blocks // self.sampler.global_batch
 
     def prime(self) -> None:
         """Read the next window now (for streams a collective, on every rank), so that a stream too
@@ -693,60 +763,56 @@ class TrainFeed:
         self._primed_at = self.position()
         self._primed = self.next_window()
 
-    def position(self) -> tuple[int, int, dict[str, Any] | None]:
-        """(epoch, micro-batch index, stream state) where the next window starts: what a checkpoint
-        taken before it resumes from."""
-        if self._primed is not None:
+    def position(self) -> FeedPosition:
+        """Where the next window starts."""
+        if self._primed is not None and self._primed_at is not None:
             return self._primed_at
-        return self.epoch, self.index, self.stream_state()
+        block = None if self.sampler is None else self.slot % self.sampler.epoch_blocks
+        return FeedPosition(self.epoch, self.index, block, self.stream_state())
 
     def _open(self) -> Iterator[Any]:
         if hasattr(self.collator, "set_epoch"):
             self.collator.set_epoch(self.epoch)
-        if self.stream:
-            self.loader.dataset.set_epoch(self.epoch)  # reseeds the shuffle
-            state, self._stream_state = self._stream_state, None
-            if state is not None and state["epoch"] == self.epoch:
-                self.loader.dataset.load_state_dict(state)  # re-reads at most one chunk
-                return iter(self.loader)
-            it = iter(self.loader)
-            for _ in range(self.index):  # no saved state: re-read up to the position
-                next(it)
-            return it
-        self.loader.batch_sampler.set_epoch(self.epoch, self.index)
-        return iter(self.loader)
+        if self.sampler is not None:
+            self.sampler.seek(self.slot)
+            return iter(self.loader)
+        self.loader.dataset.set_epoch(self.epoch)  # reseeds the shuffle
+        state, self._stream_state = self._stream_state, None
+        if state is not None and state["epoch"] == self.epoch:
+            self.loader.dataset.load_state_dict(state)  # re-reads at most one chunk
+            return iter(self.loader)
+        it = iter(self.loader)
+        for _ in range(self._index):  # no saved state: re-read up to the position
+            next(it)
+        return it
 
     def _next_epoch(self) -> None:
-        self.epoch, self.index, self._it = self.epoch + 1, 0, None
+        self._epoch, self._index, self._it = self._epoch + 1, 0, None
 
     def next_window(self) -> list[Any]:
         """The micro-batches of the next optimizer step on this rank (a collective for streams)."""
         if self._primed is not None:
             window, self._primed = self._primed, None
             return window
-        if not self.stream:
-            window = []
-            for _ in range(self.accumulation):
-                if self._it is None:
-                    self._it = self._open()
-                window.append(next(self._it))
-                self.index += 1
-                if self.index == self.batches_per_epoch:
-                    self._next_epoch()
+        if self.sampler is not None:
+            if self._it is None:
+                self._it = self._open()
+            window = [next(self._it) for _ in range(self.accumulation)]
+            self.slot += self.accumulation * self.sampler.global_batch
             return window
         while True:
             if self._it is None:
                 self._it = self._open()
             window = list(itertools.islice(self._it, self.accumulation))
             if not self.any_rank(len(window) < self.accumulation):
-                self.index += len(window)
+                self._index += len(window)
                 return window
             # some rank ran out: its epoch ends here, and so does everyone's (every rank is here)
             end = self._epoch_end(len(window))
-            if self.index == 0:  # not one step in a whole epoch: the next epochs would end alike
+            if self._index == 0:  # not one step in a whole epoch: the next epochs would end alike
                 raise BadInput(too_small_for_a_step(end, self.accumulation, self.loader.batch_size))
             self.dropped_batches += len(window)
-            self.last_epoch_batches = self.index
+            self.last_epoch_batches = self._index
             self.last_epoch_end = end
             self._next_epoch()
 
@@ -754,13 +820,13 @@ class TrainFeed:
         """Every rank's account of the epoch that just ended (a collective)."""
         ds = self.loader.dataset
         packed = ds if isinstance(ds, PackedStream) else None
-        mine = RankRead(self.index + partial, partial < self.accumulation,
+        mine = RankRead(self._index + partial, partial < self.accumulation,
                         part_bytes=None if packed is None else packed.part_bytes)
         if packed is not None and self.exact:  # its counters live in this process
             mine = RankRead(mine.micro_batches, mine.ended, packed.texts_read, packed.blocks_read,
                             packed.text_bytes, packed.part_bytes)
         ranks = [RankRead.from_list(values) for values in self.gather(mine.to_list())]
-        return StreamEpochEnd(self.epoch, self.index, ranks, packed.split if packed else "whole")
+        return StreamEpochEnd(self._epoch, self._index, ranks, packed.split if packed else "whole")
 
     def stream_state(self) -> dict[str, Any] | None:
         """Where this rank's stream is, for a checkpoint (None: map-style, or not exact)."""
@@ -773,15 +839,17 @@ class TrainFeed:
     @property
     def epoch_float(self) -> float:
         """Epochs done so far (streams: whole epochs only, their length is unknown)."""
-        if self.batches_per_epoch is None:
-            return float(self.epoch)
-        return self.epoch + self.index / self.batches_per_epoch
+        if self.sampler is None:
+            return float(self._epoch)
+        return self.slot / self.sampler.epoch_blocks
 
-def epoch_steps(epochs: float, batches_per_epoch: int, accumulation: int) -> int:
-    """Optimizer steps of `epochs` epochs: every micro-batch of them is trained on. When accumulation
-    does not divide the epochs' micro-batches, the last step is filled with the first micro-batches of
-    the next epoch (rather than dropping the epoch's last ones and never completing it)."""
-    return max(1, math.ceil(epochs * batches_per_epoch / accumulation - 1e-9))  # 1e-9: float noise
+
+def epoch_steps(epochs: float, epoch_blocks: int, step_blocks: int) -> int:
+    """Optimizer steps of `epochs` epochs of `epoch_blocks` slots, `step_blocks` per step (the global
+    batch): every slot of them is trained on. When a step does not divide the epochs, the last step
+    is filled with the first blocks of the next epoch (rather than dropping the epoch's last ones
+    and never completing it)."""
+    return max(1, math.ceil(epochs * epoch_blocks / step_blocks - 1e-9))  # 1e-9: float noise
 
 
 def too_small_for_a_step(end: StreamEpochEnd, accumulation: int, batch_size: int | None) -> str:
@@ -805,13 +873,15 @@ def _own_generator(seed: int) -> torch.Generator:
 
 
 def train_loader(ds: AnyDataset, collator: Any, batch_size: int, rank: int, world_size: int,
-                 seed: int, num_workers: int) -> DataLoader:
-    """A stream is already this rank's (`rank_dataset`); map-style data is sharded by the sampler."""
+                 seed: int, num_workers: int, layout_batch: int | None = None) -> DataLoader:
+    """A stream is already this rank's (`rank_dataset`); map-style data is sharded by the sampler,
+    whose epochs are laid out for `layout_batch` (the global micro-batch of the run that began the
+    training; default: this run's)."""
     common = dict(collate_fn=collator, num_workers=num_workers, generator=_own_generator(seed))
     if is_stream(ds):
         return DataLoader(ds, batch_size=batch_size, **common)
-    sampler = EpochBatchSampler(len(ds), batch_size, rank, world_size, seed)
-    return DataLoader(ds, batch_sampler=sampler, **common)
+    sampler = EpochBatchSampler(len(ds), batch_size, rank, world_size, seed, layout_batch=layout_batch)
+    return DataLoader(EpochKeyed(ds), batch_sampler=sampler, **common)
 
 
 def eval_loader(ds: AnyDataset, collator: Any, batch_size: int, rank: int, world_size: int,
@@ -841,9 +911,10 @@ class RankData:
 
 
 def rank_data(data: DataConfig, training: TrainingConfig, tokenizer: Any, raw_train: AnyDataset,
-              raw_eval: AnyDataset | None, accelerator: Any, preprocessing_timeout: int) -> RankData:
+              raw_eval: AnyDataset | None, accelerator: Any, preprocessing_timeout: int,
+              layout_batch: int | None = None) -> RankData:
     """Tokenize and pack (the main process first, the others then load its cache), and this rank's
-    loaders with their masking collators."""
+    loaders with their masking collators; `layout_batch`: see `train_loader`."""
     rank, world = accelerator.process_index, accelerator.num_processes
     with patient_main_process_first(accelerator, preprocessing_timeout):
         train_ds = rank_dataset(raw_train, tokenizer, data, rank, world, shuffle_seed=training.seed)
@@ -852,7 +923,7 @@ def rank_data(data: DataConfig, training: TrainingConfig, tokenizer: Any, raw_tr
                    seed=training.seed, pad_to=data.max_seq_length if data.pad_to_max_length else 0)
     train_collator = MaskingCollator.for_tokenizer(tokenizer, split=TRAIN_SPLIT, **masking)
     train_dl = train_loader(train_ds, train_collator, training.per_device_train_batch_size, rank, world,
-                            training.seed, data.dataloader_num_workers)
+                            training.seed, data.dataloader_num_workers, layout_batch)
     eval_dl = None if eval_ds is None else eval_loader(
         eval_ds, MaskingCollator.for_tokenizer(tokenizer, split=EVAL_SPLIT, **masking),
         training.per_device_eval_batch_size, rank, world, data.dataloader_num_workers)
@@ -862,11 +933,13 @@ def rank_data(data: DataConfig, training: TrainingConfig, tokenizer: Any, raw_tr
                         f"{plan_stream_split(raw_train, world).note()}")
     sampler, seq = train_dl.batch_sampler, data.max_seq_length
     total_steps = training.max_train_steps or epoch_steps(
-        training.num_train_epochs, sampler.batches_per_epoch, training.gradient_accumulation_steps)
+        training.num_train_epochs, sampler.epoch_blocks, sampler.global_batch * training.gradient_accumulation_steps)
+    layout = "" if sampler.layout_batch == sampler.global_batch else (
+        f" (the epochs keep the layout of the run that began, {sampler.layout_batch} per micro-batch)")
     return RankData(train_ds, train_dl, train_collator, eval_dl, total_steps,
-                    f"{describe_sequences(pack_stats(train_ds, seq), data)}, {sampler.batches_per_epoch} "
+                    f"{describe_sequences(pack_stats(train_ds, seq), data)}, {sampler.batches_per_epoch:g} "
                     f"micro-batches per epoch per rank, {sampler.padding} sequences repeated to fill the last "
-                    "global batch; rank r takes slice r of every global batch")
+                    f"global batch{layout}; rank r takes slice r of every global batch")
 
 
 def describe_sequences(stats: PackStats, data: DataConfig) -> str:

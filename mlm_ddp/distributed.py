@@ -434,12 +434,26 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m mlm_ddp.distributed",
         description="Print what this process would be in a training job (rank, world size, master, "
-                    "backend, device, and why). Run it under the same launcher as the job.")
+                    "backend, device, and why). Run it under the same launcher as the job. With --diagnose, "
+                    "say which rank of a run stopped first.")
     parser.add_argument("--connect", action="store_true",
                         help="also form the process group and all-reduce across every process")
     parser.add_argument("--timeout", type=float, default=120.0,
                         help="seconds to wait for the other processes with --connect (default 120)")
+    parser.add_argument("--diagnose", metavar="OUTPUT_DIR",
+                        help="instead: name the rank of a hung or failed run that stopped advancing first, from "
+                             "the heartbeat files in OUTPUT_DIR (run it anywhere that sees the folder)")
     args = parser.parse_args(argv)
+    if args.diagnose:
+        from mlm_ddp.heartbeat import diagnose
+
+        line = diagnose(args.diagnose)
+        if line is None:
+            print(f"mlm_ddp.distributed: error: {args.diagnose} holds no heartbeat files (heartbeat/rank-*.json): "
+                  "not an mlm_ddp output folder, or its run never reached training", file=sys.stderr)
+            return 2
+        print(line, flush=True)
+        return 0
     try:
         topo = detect()
         # every rank prints its own view; the prefix keeps interleaved lines apart

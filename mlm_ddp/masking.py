@@ -17,6 +17,7 @@ import torch
 
 IGNORE_INDEX = -100  # label of positions that carry no loss (torch cross_entropy's ignore_index)
 TRAIN_SPLIT, EVAL_SPLIT = 0, 1
+EPOCH_KEY = "_epoch"  # a row's own epoch, when its batch may hold two (data.EpochKeyed); else `epoch`
 
 
 def sample_rng(seed: int, split: int, epoch: int, token_ids: np.ndarray) -> np.random.Generator:
@@ -111,7 +112,7 @@ class MaskingCollator:
                 if "word_continues" not in example:
                     raise ValueError("whole-word masking needs the 'word_continues' column of data.tokenize_and_pack")
                 continues = np.asarray(example["word_continues"], dtype=bool)
-            rng = sample_rng(self.seed, self.split, self.epoch, ids)
+            rng = sample_rng(self.seed, self.split, example.get(EPOCH_KEY, self.epoch), ids)
             maskable = ~np.isin(ids, self._special)
             input_ids[row, :n], labels[row, :n] = mask_sample(
                 ids, maskable, rng, self.mask_token_id, self._replacement_ids, self.mlm_probability, continues

@@ -245,6 +245,8 @@ def facts(run: Run) -> dict[str, str]:
         "perplexity": first_last("perplexity", "{:.2f}".format),
         "best perplexity": f"{perplexities[best]:.2f} at step {steps[best]}" if best is not None else "-",
         "eval accuracy": first_last("eval_accuracy", "{:.3f}".format),
+        "loss spikes": (", ".join(f"{count} {kind.replace('_', ' ')}" for kind, count in spikes.items())
+                        if (spikes := (run.summary or {}).get("loss_spikes")) else "-"),
     }
 
 

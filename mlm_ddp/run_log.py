@@ -148,10 +148,8 @@ class RunLog:
         self.total_steps, self.tokens_before = total_steps, tokens_before
         out = Path(cfg.run.output_dir)
         self.path, self.enabled = out / METRICS_FILE, accelerator.is_main_process
-        if self.enabled and resumed and self.path.exists():
-            # drop what a crashed run logged after the checkpoint we resume from
-            kept = [line for line, record in read_metrics_lines(self.path) if record.get("step", 0) <= start_step]
-            ckpt.write_atomic(self.path, "".join(line + "\n" for line in kept))
+        if resumed:
+            self._trim(start_step)
         if trackers:
             skipped = sorted(set(KNOWN_TRACKERS) - set(trackers)) if cfg.run.report_to == "all" else []
             logger.info("tracking with %s: project %s, run %s%s", ", ".join(trackers), TRACKING_PROJECT,
@@ -163,6 +161,22 @@ class RunLog:
         self.trained = torch.zeros((), dtype=torch.float64, device=accelerator.device)  # this rank's tokens
         self.start_step = start_step
         self.clock, self.progress = TrainingClock(), None
+
+    def _trim(self, step: int) -> None:
+        """Drop what was logged after `step` (a crashed run's lines, or those a rollback replays)."""
+        if self.enabled and self.path.exists():
+            kept = [line for line, record in read_metrics_lines(self.path) if record.get("step", 0) <= step]
+            ckpt.write_atomic(self.path, "".join(line + "\n" for line in kept))
+
+    def rewind(self, step: int, tokens_seen: int) -> None:
+        """Back to a checkpoint's `step` (a loss-spike rollback): its lines, counts and progress."""
+        self._trim(step)
+        self.tokens_before, self.start_step = tokens_seen, step
+        self.trained = torch.zeros_like(self.trained)
+        self.since_log = StepSums.zeros(self.accelerator.device)
+        if self.progress is not None:
+            self.progress.n = step
+            self.progress.refresh()
 
     def begin(self) -> None:
         """The loop starts: the progress bar appears and the training clock starts (after the

@@ -8,7 +8,10 @@ micro-batch with more masked tokens then weighs more, exactly as one big batch w
 
 from __future__ import annotations
 
+import collections
 import math
+import statistics
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -28,7 +31,35 @@ class StepResult:
     masked: torch.Tensor  # this rank's masked tokens
     tokens: torch.Tensor  # this rank's non-padding input tokens
     grad_norm: torch.Tensor  # before clipping; the same on every rank (the gradients are all-reduced)
-    stepped: bool  # False: the gradients were not finite and the optimizer step was skipped
+    stepped: bool  # False: the gradients were not finite, or the loss spiked, and the update was skipped
+    spike: Spike | None = None  # the loss spike judged by `LossSpikeGuard`, if this step was one
+
+
+@dataclass(frozen=True)
+class Spike:
+    loss: float  # the step's loss, all ranks
+    median: float  # the running median it was judged against
+    steps: int  # losses in that median
+
+
+class LossSpikeGuard:
+    """--on_loss_spike: a step whose loss (all ranks, all micro-batches) is above `factor` x the
+    median of the last `window` accepted steps' losses is a spike, judged once `MIN_HISTORY` of them
+    are known. The median, not the mean: one earlier spike or a noisy step does not move it."""
+
+    MIN_HISTORY = 10
+
+    def __init__(self, factor: float, window: int) -> None:
+        self.factor, self.history = factor, collections.deque(maxlen=window)
+
+    def judge(self, loss: float) -> Spike | None:
+        if len(self.history) >= self.MIN_HISTORY:
+            median = statistics.median(self.history)
+            if loss > self.factor * median:
+                return Spike(loss, median, len(self.history))
+        if math.isfinite(loss):
+            self.history.append(loss)
+        return None
 
 
 def masked_tokens(window: list[Batch]) -> torch.Tensor:
@@ -37,29 +68,46 @@ def masked_tokens(window: list[Batch]) -> torch.Tensor:
 
 
 def forward_backward(accelerator: Accelerator, model: torch.nn.Module, window: list[Batch],
-                     scale: torch.Tensor) -> torch.Tensor:
+                     scale: torch.Tensor, loss_factors: list[float] | None = None) -> torch.Tensor:
     """Forward and backward of one optimizer step's micro-batches, gradients summed (DDP all-reduces
-    on the last one); returns (loss sum, masked tokens, input tokens) over them, float64 (3,)."""
+    on the last one); returns (loss sum, masked tokens, input tokens) over them, float64 (3,).
+    `loss_factors`: one per micro-batch, multiplying its loss (tests inject loss spikes this way)."""
     sums = torch.zeros(3, dtype=torch.float64, device=accelerator.device)
-    for batch in window:
+    for index, batch in enumerate(window):
         with accelerator.accumulate(model):
             loss_sum, n_masked, _ = model(**batch)
+            if loss_factors is not None:
+                loss_sum = loss_sum * loss_factors[index]
             accelerator.backward(loss_sum * scale)
         sums += torch.stack([loss_sum.detach().double(), n_masked.double(), batch["attention_mask"].sum().double()])
     return sums
 
 
 def train_step(accelerator: Accelerator, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-               window: list[Batch], masked_total: torch.Tensor, max_grad_norm: float | None) -> StepResult:
+               window: list[Batch], masked_total: torch.Tensor, max_grad_norm: float | None,
+               phase: Callable[[str], None] | None = None, guard: LossSpikeGuard | None = None,
+               loss_factors: list[float] | None = None) -> StepResult:
     """Forward and backward of `window` (this rank's micro-batches of the step), clip, step, zero.
 
     `masked_total`: the masked tokens of the whole step, all ranks. Gradients that are not finite skip
     the optimizer step (`stepped` False); under fp16 the gradient scaler makes that decision itself.
+    `phase("optimizer")` is called when the backward passes are done (the heartbeat). With a `guard`,
+    the step's loss over every rank (one more all-reduce, and a host sync) is judged first: a spike
+    skips the update, on every rank alike.
     """
     # DDP averages the gradients over ranks and accumulate() divides each micro-batch's by the
     # accumulation steps: undo both, so that the step's gradient is that of loss sum / masked_total
     scale = accelerator.num_processes * accelerator.gradient_accumulation_steps / masked_total.clamp(min=1)
-    sums = forward_backward(accelerator, model, window, scale)
+    sums = forward_backward(accelerator, model, window, scale, loss_factors)
+    if phase is not None:
+        phase("optimizer")
+    if guard is not None:
+        loss = accelerator.reduce(sums[0].clone(), reduction="sum") / masked_total.clamp(min=1)
+        spike = guard.judge(loss.item())
+        if spike is not None:
+            optimizer.zero_grad(set_to_none=True)
+            loss_sum, masked, tokens = sums.unbind()
+            return StepResult(loss_sum, masked, tokens, torch.full_like(loss_sum, math.nan), False, spike)
     # the gradients are the same on every rank after DDP's all-reduce, so is this norm: every rank
     # takes the same decision below without another collective
     norm = accelerator.clip_grad_norm_(model.parameters(), max_grad_norm or math.inf)

@@ -33,6 +33,7 @@ from mlm_ddp import distributed
 from mlm_ddp.config import Config, parse_args
 from mlm_ddp.errors import EXIT_FAILED, BadInput, NonFiniteLoss, Preempted, RunEnded
 from mlm_ddp.evaluation import Evaluator, record_fields
+from mlm_ddp.heartbeat import Beat, Heartbeat, diagnose
 from mlm_ddp.hub import check_hub, push
 from mlm_ddp.model import (
     load_model,
@@ -43,7 +44,7 @@ from mlm_ddp.model import (
 )
 from mlm_ddp.run_folder import OutputPlan, RunFolder, model_card
 from mlm_ddp.run_log import RunLog, check_trackers, read_metrics_lines
-from mlm_ddp.step import StepResult, masked_tokens, train_step
+from mlm_ddp.step import LossSpikeGuard, Spike, StepResult, masked_tokens, train_step
 
 logger = get_logger(__name__)
 
@@ -53,6 +54,8 @@ class Hooks:
     """Seams for fault-injection tests (tests/fault_driver.py); no flag sets them."""
 
     before_checkpoint_marker: Callable[[], None] | None = None  # runs inside every save, before its marker
+    on_beat: Callable[[Beat], None] | None = None  # runs after every heartbeat (e.g. to freeze a rank there)
+    loss_factor: Callable[[int, int], float] | None = None  # (step, micro-batch) -> its loss multiplied by this
 
 
 @dataclass
@@ -67,6 +70,7 @@ class TrainResult:
     eval_after: dict[str, float] | None
     output_dir: str
     final_dir: str
+    loss_spikes: dict[str, int] = field(default_factory=dict)  # "skipped", "rolled_back": steps of each
 
 
 # ---------------------------------------------------------------------------------------------
@@ -86,10 +90,17 @@ class Checked:
     plan: OutputPlan
     start: ckpt.TrainerState  # where training starts: step 0, or the checkpoint's counters
     accepted_changes: dict  # settings the resumed checkpoint was written with that this run changes
+    written_by: int  # processes that wrote the resumed checkpoint (this run's, when starting afresh)
     trackers: list[str]
     hub_repo: str | None  # where --push_to_hub uploads final/
     raw_train: Any
     raw_eval: Any
+    resume_note: str | None = None  # what a stream resumed on another number of processes skips
+
+    @property
+    def elastic(self) -> bool:
+        """Resuming a checkpoint that another number of processes wrote."""
+        return self.written_by != self.topo.world_size
 
 
 def preflight(cfg: Config) -> Checked:
@@ -119,8 +130,12 @@ def preflight(cfg: Config) -> Checked:
             read_metrics_lines(metrics)  # a damaged line stops every rank here, not rank 0 later
     trackers, hub_repo = check_trackers(cfg.run), check_hub(cfg.run)
     raw_train, raw_eval = mdata.load_text(cfg.data, cfg.training.seed)
-    return Checked(tokenizer, model_config, topo, fsdp_plugin, folder, plan, start, accepted_changes, trackers,
-                   hub_repo, raw_train, raw_eval)
+    written_by, note = start.world_size, None
+    if cfg.data.streaming and written_by != topo.world_size:
+        sizes = mdata.shard_sizes(raw_train)
+        start, note = ckpt.elastic_stream_start(plan.resume_from, start, topo.world_size, sum(sizes) if sizes else None)
+    return Checked(tokenizer, model_config, topo, fsdp_plugin, folder, plan, start, accepted_changes, written_by,
+                   trackers, hub_repo, raw_train, raw_eval, note)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -155,7 +170,12 @@ class Training:
     log: RunLog
     evaluator: Evaluator
     checkpointer: ckpt.Checkpointer
+    heartbeat: Heartbeat
+    hooks: Hooks
+    guard: LossSpikeGuard | None  # --on_loss_spike
     skipped_steps: int = field(default=0)  # optimizer steps skipped for non-finite gradients
+    spikes: dict[str, int] = field(default_factory=lambda: {"skipped": 0, "rolled_back": 0})
+    spiked_windows: set[tuple] = field(default_factory=set)  # positions of windows a rollback skips
 
     @property
     def start(self) -> ckpt.TrainerState:
@@ -169,20 +189,26 @@ def build(cfg: Config, checked: Checked, hooks: Hooks) -> Training:
     wait = distributed.MainProcessWait(accelerator.num_processes, cfg.run.save_timeout)
     transformers_model = load_weights(cfg, checked, accelerator)
     data = mdata.rank_data(cfg.data, cfg.training, checked.tokenizer, checked.raw_train, checked.raw_eval,
-                           accelerator, cfg.run.preprocessing_timeout)
+                           accelerator, cfg.run.preprocessing_timeout, checked.start.layout_batch)
     model, optimizer, scheduler, n_params = prepare_for_training(accelerator, transformers_model, cfg.model,
                                                                  cfg.training, data.total_steps)
     resume_from, start = checked.plan.resume_from, checked.start
     checkpointer = ckpt.Checkpointer(cfg.run, accelerator, wait, scheduler, cfg.to_yaml(),
                                      start.step if resume_from else None, hooks.before_checkpoint_marker)
     if resume_from is not None:
-        checkpointer.restore(resume_from, checked.accepted_changes)
-        logger.info("resumed from %s at step %d", resume_from, start.step)
+        checkpointer.restore(resume_from, checked.accepted_changes, start.step)
+        logger.info("resumed from %s at step %d%s", resume_from, start.step,
+                    f", written by {checked.written_by} process(es)" if checked.elastic else "")
+        if checked.resume_note:
+            logger.warning("%s", checked.resume_note)
     describe(cfg, checked, accelerator, precision, data, model, n_params)
-    stream_state = ckpt.read_data_state(resume_from, accelerator.process_index) if resume_from else None
+    # a stream position is this rank's part's: another number of processes has other parts
+    stream_state = (ckpt.read_data_state(resume_from, accelerator.process_index)
+                    if resume_from and not checked.elastic else None)
     feed = mdata.TrainFeed(data.train_loader, data.train_collator, cfg.training.gradient_accumulation_steps,
                            start.epoch, start.batch_in_epoch, functools.partial(distributed.any_rank, accelerator),
-                           stream_state, functools.partial(distributed.gather_rows, accelerator))
+                           stream_state, functools.partial(distributed.gather_rows, accelerator),
+                           start.block_in_epoch)
     if feed.stream and start.step < data.total_steps:  # only reading tells whether a stream fills a step
         feed.prime()  # before anything is written
     # the first write: every check passed, the checkpoint loaded and the stream fills a step
@@ -190,8 +216,11 @@ def build(cfg: Config, checked: Checked, hooks: Hooks) -> Training:
     log = RunLog(cfg, accelerator, checked.trackers, start.step, data.total_steps, resume_from is not None,
                  start.tokens_seen)
     evaluator = Evaluator(cfg.run.eval_steps, data.total_steps, accelerator, model, data.eval_loader)
+    heartbeat = Heartbeat(checked.folder.path, accelerator.process_index, accelerator.num_processes, hooks.on_beat)
+    guard = None if cfg.run.on_loss_spike == "off" else LossSpikeGuard(cfg.run.loss_spike_factor,
+                                                                      cfg.run.loss_spike_window)
     return Training(cfg, checked, accelerator, wait, data, model, optimizer, scheduler, feed, stream_state, log,
-                    evaluator, checkpointer)
+                    evaluator, checkpointer, heartbeat, hooks, guard)
 
 
 def describe(cfg: Config, checked: Checked, accelerator: Accelerator, precision: str, data: mdata.RankData,
@@ -223,35 +252,50 @@ def fit(run: Training, stop: ckpt.StopSignals) -> int:
     """Train from the start step to the last; returns the steps done. Every rank runs the same
     collectives in the same order: one all-reduce per step, plus those of the steps that log,
     evaluate or save."""
-    accelerator, feed, log = run.accelerator, run.feed, run.log
-    evaluate_before(run)
+    accelerator, feed, log, beat = run.accelerator, run.feed, run.log, run.heartbeat.beat
     step = run.start.step
+    beat(step, "eval")
+    evaluate_before(run)
     log.begin()
     run.model.train()
     while step < run.data.total_steps:
-        epoch_before, index_before, stream_before = feed.position()
-        window = read_window(run, step, epoch_before)
+        beat(step + 1, "data")
+        skip_spiked(run)
+        before = feed.position()
+        window = read_window(run, step, before.epoch)
+        beat(step + 1, "data", "the all-reduce of the step's masked tokens and stop votes")
         masked, stopping = agree_on_step(accelerator, window, stop.received is not None)
         if stopping:
-            state = ckpt.TrainerState(step, epoch_before, index_before, log.tokens_total(), accelerator.num_processes)
-            stop_here(run, state, stream_before, stop.received)
-        result = train_step(accelerator, run.model, run.optimizer, window, masked, run.cfg.training.max_grad_norm)
+            beat(step, "checkpoint")
+            stop_here(run, trainer_state(run, step, before), before.stream, stop.received)
+        beat(step + 1, "forward/backward")
+        result = train_step(accelerator, run.model, run.optimizer, window, masked, run.cfg.training.max_grad_norm,
+                            functools.partial(beat, step + 1), run.guard, loss_factors(run, step, len(window)))
+        if result.spike is not None and (back_to := roll_back(run, step, before, result.spike)) is not None:
+            step = back_to
+            continue
         log.add(result)
         if not result.stepped:
-            on_nonfinite(run, step, result)
+            on_skipped(run, step, result)
         run.scheduler.step()
         step += 1
         # map-style only (streams refuse "epoch"): this step read the last micro-batch of an epoch. A
         # window may run across the epoch end, so this is the first step that completes the epoch.
-        epoch_ended = not feed.stream and feed.epoch > epoch_before
+        epoch_ended = not feed.stream and feed.epoch > before.epoch
+        beat(step, "log")
         record = log.maybe(step, feed.epoch_float, run.scheduler.get_last_lr()[0])
+        beat(step, "eval")
         record.update(run.evaluator.maybe(step, feed.epoch_float, log.clock))
         log.write(record)
+        beat(step, "checkpoint")
         with log.clock.paused():
             run.checkpointer.maybe(step, epoch_ended, functools.partial(position_after, run, step))
     log.close()
     if run.skipped_steps:
         logger.warning("%d optimizer step(s) skipped for non-finite gradients", run.skipped_steps)
+    if run.guard is not None:
+        logger.info("loss spikes: %d update(s) skipped, %d rollback(s)", run.spikes["skipped"],
+                    run.spikes["rolled_back"])
     return step
 
 
@@ -289,11 +333,17 @@ def agree_on_step(accelerator: Accelerator, window: list[dict[str, torch.Tensor]
     return masked, bool(stop_votes > 0)
 
 
+def trainer_state(run: Training, step: int, at: mdata.FeedPosition) -> ckpt.TrainerState:
+    """The counters a checkpoint after `step` saves, the data at `at` (a collective: every rank's tokens)."""
+    sampler = run.feed.sampler
+    return ckpt.TrainerState(step, at.epoch, at.batch_in_epoch, run.log.tokens_total(), run.accelerator.num_processes,
+                             at.block_in_epoch, None if sampler is None else sampler.layout_batch)
+
+
 def position_after(run: Training, step: int) -> tuple[ckpt.TrainerState, dict | None]:
     """What a checkpoint after `step` saves (a collective: the tokens of every rank)."""
-    feed = run.feed
-    state = ckpt.TrainerState(step, feed.epoch, feed.index, run.log.tokens_total(), run.accelerator.num_processes)
-    return state, feed.stream_state()
+    at = run.feed.position()
+    return trainer_state(run, step, at), at.stream
 
 
 def stop_here(run: Training, state: ckpt.TrainerState, data_state: dict | None, signal_name: str | None) -> NoReturn:
@@ -306,8 +356,61 @@ def stop_here(run: Training, state: ckpt.TrainerState, data_state: dict | None, 
                     "with --resume_from_checkpoint latest to continue", signal_name)
 
 
-def on_nonfinite(run: Training, step: int, result: StepResult) -> None:
-    """--on_nonfinite_loss: count a skipped step, or stop (every rank alike: the norm is the same)."""
+def loss_factors(run: Training, step: int, micro_batches: int) -> list[float] | None:
+    """The test seam's loss multipliers of this step's micro-batches (None: no seam)."""
+    if run.hooks.loss_factor is None:
+        return None
+    return [run.hooks.loss_factor(step + 1, index) for index in range(micro_batches)]
+
+
+def window_key(at: mdata.FeedPosition) -> tuple:
+    """A window's place in the data, the same in a replay: (epoch, micro-batch, slot)."""
+    return at.epoch, at.batch_in_epoch, at.block_in_epoch
+
+
+def skip_spiked(run: Training) -> None:
+    """Before reading a window: read and drop those that caused a spike before a rollback."""
+    while run.spiked_windows and window_key(at := run.feed.position()) in run.spiked_windows:
+        run.spiked_windows.discard(window_key(at))
+        run.feed.next_window()
+        logger.info("skipped the micro-batches that caused a loss spike (epoch %d, micro-batch %d%s)", at.epoch,
+                    at.batch_in_epoch, "" if at.block_in_epoch is None else f", slot {at.block_in_epoch}")
+
+
+def roll_back(run: Training, step: int, at: mdata.FeedPosition, spike: Spike) -> int | None:
+    """--on_loss_spike rollback (every rank alike: the loss was all-reduced): reload the newest
+    checkpoint, mark this step's window to be skipped when the replay reaches it, and return the
+    checkpoint's step. None: no rollback (the mode is 'skip', or no checkpoint exists yet); the
+    update is skipped instead."""
+    latest = run.checkpointer.latest()
+    if run.cfg.run.on_loss_spike != "rollback" or latest is None:
+        return None
+    saved = ckpt.read_state(latest)
+    run.checkpointer.restore(latest, {}, saved.step)
+    run.feed.seek(saved.epoch, saved.batch_in_epoch, saved.block_in_epoch,
+                  None if run.feed.sampler is not None else ckpt.read_data_state(latest, run.accelerator.process_index))
+    run.log.rewind(saved.step, saved.tokens_seen)
+    run.spiked_windows.add(window_key(at))
+    run.spikes["rolled_back"] += 1
+    logger.warning("step %d: loss %.4f is %.1fx the median %.4f of the last %d steps (--loss_spike_factor %g): "
+                   "rolled back to %s; the step's %d micro-batch(es) from epoch %d, micro-batch %d%s on are skipped",
+                   step + 1, spike.loss, spike.loss / spike.median, spike.median, spike.steps,
+                   run.cfg.run.loss_spike_factor, latest.name, run.cfg.training.gradient_accumulation_steps,
+                   at.epoch, at.batch_in_epoch, "" if at.block_in_epoch is None else f" (slot {at.block_in_epoch})")
+    return saved.step
+
+
+def on_skipped(run: Training, step: int, result: StepResult) -> None:
+    """A step whose update was skipped: a loss spike (counted), or non-finite gradients, where
+    --on_nonfinite_loss counts it or stops (every rank alike: the norm is the same)."""
+    if result.spike is not None:
+        run.spikes["skipped"] += 1
+        spike = result.spike
+        logger.warning("step %d: loss %.4f is %.1fx the median %.4f of the last %d steps (--loss_spike_factor %g): "
+                       "update skipped%s", step + 1, spike.loss, spike.loss / spike.median, spike.median, spike.steps,
+                       run.cfg.run.loss_spike_factor,
+                       "" if run.cfg.run.on_loss_spike == "skip" else " (no checkpoint to roll back to yet)")
+        return
     if run.cfg.run.on_nonfinite_loss == "skip":
         run.skipped_steps += 1
         logger.warning("step %d: gradient norm %s, optimizer step skipped (%d so far)",
@@ -331,18 +434,20 @@ def finish(run: Training, steps: int, started: float) -> TrainResult:
     tokens_seen = log.tokens_total()
     card = model_card(run.cfg, steps, tokens_seen, run.evaluator.first, run.evaluator.last,
                       run.checked.model_config.model_type)
+    run.heartbeat.beat(steps, "final save")
     final = folder.save_final(accelerator, run.wait, run.model, run.checked.tokenizer, card)
     result = TrainResult(
         steps=steps, tokens_seen=tokens_seen, wall_time_s=time.perf_counter() - started,
         tokens_per_s=(tokens_seen - run.start.tokens_seen) / max(log.clock.training_s, 1e-9),
         eval_before=run.evaluator.first, eval_after=run.evaluator.last, output_dir=str(folder.path),
-        final_dir=str(final),
+        final_dir=str(final), loss_spikes=dict(run.spikes) if run.guard else {},
     )
     folder.write_summary(accelerator.is_main_process, asdict(result))
     logger.info("%s", summary_line(result))
     if run.cfg.run.report and accelerator.is_main_process:
         folder.write_report()
     log.end()
+    run.heartbeat.close()
     if run.checked.hub_repo and accelerator.is_main_process:
         logger.info("uploaded %s to the Hub: %s", final, push(final, run.checked.hub_repo, run.cfg.run, steps))
     return result
@@ -355,6 +460,7 @@ def train(cfg: Config, hooks: Hooks | None = None) -> TrainResult:
     with ckpt.StopSignals(cfg.run.signal_names()) as stop, ExitStack() as on_exit:
         run = build(cfg, preflight(cfg), hooks or Hooks())
         on_exit.callback(run.log.close)  # however the run ends, so that an error message starts a line of its own
+        on_exit.callback(run.heartbeat.stop)  # an error leaves the last beat where it happened
         steps = fit(run, stop)
         return finish(run, steps, started)
 
@@ -386,8 +492,10 @@ def say(line: str) -> None:
 
 def main(argv: list[str] | None = None, hooks: Hooks | None = None) -> int:
     setup_logging()
+    cfg = None
     try:
-        train(parse_args(argv), hooks)
+        cfg = parse_args(argv)
+        train(cfg, hooks)
     except RunEnded as err:
         say(err.line("mlm_ddp.train"))
         return err.exit_code
@@ -395,7 +503,9 @@ def main(argv: list[str] | None = None, hooks: Hooks | None = None) -> int:
         topo = distributed.detect(cuda_devices=0)
         if not (topo.distributed and distributed.is_collective_failure(err)):
             raise
-        say(f"mlm_ddp.train: error: {distributed.lost_contact(topo, err)}")
+        first = diagnose(cfg.run.output_dir) if cfg is not None else None
+        say(f"mlm_ddp.train: error: {distributed.lost_contact(topo, err)}"
+            + (f"\nmlm_ddp.train: error: hang: {first}" if first else ""))
         return EXIT_FAILED
     return 0
 

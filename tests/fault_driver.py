@@ -1,26 +1,62 @@
-"""`python -m tests.fault_driver --slow_save_s S [training flags]`: `mlm_ddp.train.main` with a fault
-injected through `train`'s test seam (`Hooks`), never through the production code's environment:
-every checkpoint save sleeps S seconds once its files are durable and before its COMPLETE marker,
-widening the window in which a kill leaves a half-written checkpoint, or in which the other ranks
-wait for the main process. Runs under `accelerate launch -m tests.fault_driver` too (cwd: the repo).
+"""`python -m tests.fault_driver [--slow_save_s S] [--freeze RANK:STEP:PHASE] [training flags]`:
+`mlm_ddp.train.main` with a fault injected through `train`'s test seam (`Hooks`), never through the
+production code's environment:
+
+- `--slow_save_s S`: every checkpoint save sleeps S seconds once its files are durable and before its
+  COMPLETE marker, widening the window in which a kill leaves a half-written checkpoint, or in which
+  the other ranks wait for the main process.
+- `--freeze RANK:STEP:PHASE`: rank RANK stops itself with SIGSTOP right after its heartbeat enters
+  PHASE of step STEP (a hung rank, as a dead node or a stuck read leaves it).
+- `--spike STEP:FACTOR`: the first micro-batch of step STEP has its loss multiplied by FACTOR on every
+  rank, once (a replay of that step after a rollback is not spiked again).
+
+Runs under `accelerate launch -m tests.fault_driver` too (cwd: the repo).
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import os
+import signal
 import sys
 import time
 
+from mlm_ddp.heartbeat import Beat
 from mlm_ddp.train import Hooks
 from mlm_ddp.train import main as train_main
 
 
+def freeze_at(where: str, beat: Beat) -> None:
+    rank, step, phase = where.split(":", 2)
+    if (beat.rank, beat.step, beat.phase, beat.collective) == (int(rank), int(step), phase, None):
+        os.kill(os.getpid(), signal.SIGSTOP)
+
+
+class OneSpike:
+    """Hooks.loss_factor that multiplies one micro-batch's loss, the first time its step runs."""
+
+    def __init__(self, where: str) -> None:
+        step, factor = where.split(":")
+        self.step, self.factor, self.done = int(step), float(factor), False
+
+    def __call__(self, step: int, micro_batch: int) -> float:
+        if self.done or (step, micro_batch) != (self.step, 0):
+            return 1.0
+        self.done = True
+        return self.factor
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tests.fault_driver", allow_abbrev=False)
-    parser.add_argument("--slow_save_s", type=float, required=True)
+    parser.add_argument("--slow_save_s", type=float)
+    parser.add_argument("--freeze", metavar="RANK:STEP:PHASE")
+    parser.add_argument("--spike", metavar="STEP:FACTOR")
     faults, train_argv = parser.parse_known_args(argv)
-    return train_main(train_argv, Hooks(before_checkpoint_marker=functools.partial(time.sleep, faults.slow_save_s)))
+    slow = None if faults.slow_save_s is None else functools.partial(time.sleep, faults.slow_save_s)
+    freeze = None if faults.freeze is None else functools.partial(freeze_at, faults.freeze)
+    spike = None if faults.spike is None else OneSpike(faults.spike)
+    return train_main(train_argv, Hooks(before_checkpoint_marker=slow, on_beat=freeze, loss_factor=spike))
 
 
 if __name__ == "__main__":

@@ -98,30 +98,58 @@ def test_map_style_pack_stats(tokenizer, corpus: dict[str, Path]) -> None:
     assert stats.pad_fraction < 0.01
 
 
+def epoch_batches(sampler: EpochBatchSampler, epochs: int = 1) -> list[list[int]]:
+    """The first `epochs` epochs of a sampler (it runs without end) when its micro-batches divide them."""
+    return list(itertools.islice(sampler, int(sampler.batches_per_epoch * epochs)))
+
+
 @pytest.mark.parametrize(("n", "batch", "world"), [(10, 2, 1), (10, 2, 2), (11, 3, 2), (7, 1, 4), (5, 4, 3)])
 def test_sampler_shards_are_disjoint_and_complete(n: int, batch: int, world: int) -> None:
     samplers = [EpochBatchSampler(n, batch, rank, world, seed=3) for rank in range(world)]
-    per_rank = [list(s) for s in samplers]
-    assert len({len(b) for b in per_rank}) == 1  # every rank runs the same number of steps
+    per_rank = [epoch_batches(s) for s in samplers]
     seen = [i for batches in per_rank for b in batches for i in b]
-    assert sorted(set(seen)) == list(range(n))  # the union is the whole data
+    assert sorted(set(seen)) == list(range(n))  # the union is the whole data (keys of epoch 0 are blocks)
     assert len(seen) - n == samplers[0].padding < batch * world  # repeats are only the stated padding
     # global batch k of W ranks x B holds the same samples as batch k of 1 rank x W*B
-    single = list(EpochBatchSampler(n, batch * world, 0, 1, seed=3))
+    single = epoch_batches(EpochBatchSampler(n, batch * world, 0, 1, seed=3))
     for k, big in enumerate(single):
         assert sorted(big) == sorted(i for r in range(world) for i in per_rank[r][k])
 
 
 def test_sampler_epochs_and_resume() -> None:
     sampler = EpochBatchSampler(20, 3, 0, 1, seed=5)
-    epoch0 = list(sampler)
-    sampler.set_epoch(1)
-    epoch1 = list(sampler)
-    assert epoch0 != epoch1
-    sampler.set_epoch(1, start_batch=4)
-    assert list(sampler) == epoch1[4:] and len(sampler) == len(epoch1) - 4
-    assert list(EpochBatchSampler(20, 3, 0, 1, seed=5)) == epoch0
-    assert set(sum(epoch1, [])) == set(range(20))
+    epoch0, epoch1 = (batches := epoch_batches(sampler, 2))[:7], batches[7:]
+    assert [k for b in epoch1 for k in b] != [k + 20 for b in epoch0 for k in b]
+    assert {k // 20 for b in epoch1 for k in b} == {1} and {k % 20 for b in epoch1 for k in b} == set(range(20))
+    sampler.seek(7 * 3 + 4 * 3)  # epoch 1, micro-batch 4
+    assert list(itertools.islice(sampler, 3)) == epoch1[4:]
+    assert epoch_batches(EpochBatchSampler(20, 3, 0, 1, seed=5)) == epoch0
+
+
+def step_blocks(n: int, batch: int, world: int, accumulation: int, layout: int, start_step: int,
+                steps: int) -> list[list[int]]:
+    """The keys (epoch x n + block) each optimizer step reads, all ranks together, from `start_step` on."""
+    samplers = [EpochBatchSampler(n, batch, rank, world, seed=11, layout_batch=layout) for rank in range(world)]
+    for sampler in samplers:
+        sampler.seek(start_step * batch * world * accumulation)
+    streams = [iter(s) for s in samplers]
+    return [sorted(k for _ in range(accumulation) for it in streams for k in next(it)) for _ in range(steps)]
+
+
+@pytest.mark.parametrize("n", [1, 7, 24, 37])
+def test_every_split_of_a_global_batch_reads_the_same_blocks_each_step(n: int) -> None:
+    # the property behind resuming on another number of processes: laid out for the first run's
+    # micro-batch, every (per-device batch, processes, accumulation) with the same product reads the
+    # same blocks in every optimizer step, across epoch ends and from any step on
+    global_batch = 12
+    splits = [(b, w, global_batch // (b * w)) for b in (1, 2, 3, 4, 6, 12) for w in (1, 2, 3, 4)
+              if global_batch % (b * w) == 0]
+    assert len(splits) > 10
+    for first in splits:
+        layout = first[0] * first[1]
+        straight = step_blocks(n, *first, layout, 0, 9)
+        for resumed in splits:
+            assert step_blocks(n, *resumed, layout, 4, 5) == straight[4:], (first, resumed)
 
 
 # --- stream epochs: too small for a step, balanced shards, what is left unread -----------------------

@@ -281,6 +281,7 @@ def damage(case: str, folder: Path, tmp_path: Path) -> None:
     elif case == "other_world_size":
         state = json.loads((folder / "trainer_state.json").read_text())
         (folder / "trainer_state.json").write_text(json.dumps({**state, "world_size": 2}))
+        shutil.copy(folder / "random_states_0.pkl", folder / "random_states_1.pkl")  # as 2 processes write
     elif case == "garbage_state":
         (folder / "trainer_state.json").write_text("{not json")
 
@@ -289,7 +290,8 @@ def damage(case: str, folder: Path, tmp_path: Path) -> None:
     ("truncated_model", "cannot be resumed from .*damaged, from another model, or not written by mlm_ddp"),
     ("foreign_folder", "missing .*model.safetensors.*optimizer.bin"),
     ("pickle_payload", "cannot be resumed from .*UnpicklingError"),
-    ("other_world_size", "written by 2 process\\(es\\) and this run has 1.*resume with 2"),
+    ("other_world_size", "global batch of 16 sequences per optimizer step \\(8 per device x 2 process\\(es\\) x 1 "
+                         "accumulation\\) and this run's is 8.*--gradient_accumulation_steps 2"),
     ("garbage_state", "unreadable trainer state"),
     ("other_model", "other settings \\(model.config_overrides: None -> 'hidden_size=64'"),
     ("other_recipe", "training.learning_rate: 0.001 -> 0.002"),

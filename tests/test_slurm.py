@@ -66,7 +66,8 @@ def wait_done(env: dict, job: str, timeout: float) -> str:
 
 
 def job_args(tiny_model: Path, corpus: dict, out: Path) -> list[str]:
-    return tiny_args(tiny_model, corpus, out, "--max_train_steps", str(STEPS), *NO_DROPOUT)
+    return tiny_args(tiny_model, corpus, out, "--max_train_steps", str(STEPS), "--checkpointing_steps",
+                     str(STEPS // 2), *NO_DROPOUT)
 
 
 @pytest.fixture(scope="module")
@@ -105,6 +106,24 @@ def test_preemption_checkpoints_requeues_and_resumes(slurm: dict, uninterrupted:
     assert json.loads((out / "summary.json").read_text())["steps"] == STEPS
     a, b = train_losses(uninterrupted), train_losses(out)
     assert max(abs(a[s] - b[s]) / a[s] for s in a) <= 1e-5
+
+
+def test_a_two_node_checkpoint_resumes_on_one_node_with_the_same_losses(slurm: dict, uninterrupted: Path,
+                                                                          tiny_model: Path, corpus: dict,
+                                                                          tmp_path: Path) -> None:
+    # the requeued job came back on one node: the per-device batch doubles, the global batch stays 16
+    out = tmp_path / "run"
+    half = f"step-{STEPS // 2:07d}"
+    shutil.copytree(uninterrupted / "checkpoints" / half, out / "checkpoints" / half)
+    job = sbatch(slurm, out, *job_args(tiny_model, corpus, out), "--per_device_train_batch_size", "16",
+                 options=("--nodes=1",))
+    assert wait_done(slurm, job, 300) == "COMPLETED", (tmp_path / f"job-{job}.out").read_text()[-3000:]
+    log = (tmp_path / f"job-{job}.out").read_text()
+    assert "topology: 1 process(es) on 1 node(s)" in log
+    assert f"resumed from {out / 'checkpoints' / half} at step {STEPS // 2}, written by 2 process(es)" in log
+    a, b = train_losses(uninterrupted), train_losses(out)
+    assert sorted(b) == list(range(STEPS // 2 + 1, STEPS + 1))
+    assert max(abs(a[s] - b[s]) / a[s] for s in b) <= 1e-5
 
 
 def test_overwrite_output_dir_is_refused_before_anything_runs(slurm: dict, tiny_model: Path, corpus: dict,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import subprocess
 import sys
 from datetime import datetime
@@ -35,7 +36,8 @@ def submit(env: dict, *args: str) -> subprocess.CompletedProcess:
 
 
 def job_args(tiny_model: Path, corpus: dict, out: Path) -> list[str]:
-    return tiny_args(tiny_model, corpus, out, "--max_train_steps", str(STEPS), *NO_DROPOUT)
+    return tiny_args(tiny_model, corpus, out, "--max_train_steps", str(STEPS), "--checkpointing_steps",
+                     str(STEPS // 2), *NO_DROPOUT)
 
 
 def test_debug_cluster_runs_the_job_end_to_end(tiny_model: Path, corpus: dict, tmp_path: Path, capsys) -> None:
@@ -117,6 +119,20 @@ def test_preemption_saves_on_every_rank_requeues_and_resumes(slurm: dict, submit
     assert [r["step"] for r in read_metrics(out) if "loss" in r] == list(range(1, STEPS + 1))
     a, b = train_losses(submitted), train_losses(out)
     assert max(abs(a[s] - b[s]) / a[s] for s in a) <= 1e-5
+
+
+def test_resubmitted_on_one_node_a_two_node_checkpoint_trains_the_same_losses(
+        slurm: dict, submitted: Path, tiny_model: Path, corpus: dict, tmp_path: Path) -> None:
+    out, half = tmp_path / "run", f"step-{STEPS // 2:07d}"
+    shutil.copytree(submitted / "checkpoints" / half, out / "checkpoints" / half)
+    proc = submit(slurm, "--nodes", "1", "--partition", "test", "--wait", *job_args(tiny_model, corpus, out),
+                  "--per_device_train_batch_size", "16")  # 2 nodes x 8 -> 1 node x 16: the global batch kept
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    log = "\n".join(p.read_text() for p in (out / "submitit").rglob("*_0_log.err"))
+    assert f"at step {STEPS // 2}, written by 2 process(es)" in log and "topology: 1 process(es) on 1 node(s)" in log
+    a, b = train_losses(submitted), train_losses(out)
+    assert sorted(b) == list(range(STEPS // 2 + 1, STEPS + 1))
+    assert max(abs(a[s] - b[s]) / a[s] for s in b) <= 1e-5
 
 
 def task_logs(job_dir: Path, job: str) -> list[str]:
