@@ -53,12 +53,15 @@ class LossSpikeGuard:
         self.factor, self.history = factor, collections.deque(maxlen=window)
 
     def judge(self, loss: float) -> Spike | None:
+        """The spike `loss` is, or None (then it joins the history). A NaN or inf loss is not judged:
+        --on_nonfinite_loss decides about it."""
+        if not math.isfinite(loss):
+            return None
         if len(self.history) >= self.MIN_HISTORY:
             median = statistics.median(self.history)
             if loss > self.factor * median:
                 return Spike(loss, median, len(self.history))
-        if math.isfinite(loss):
-            self.history.append(loss)
+        self.history.append(loss)
         return None
 
 

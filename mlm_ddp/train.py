@@ -380,24 +380,30 @@ def skip_spiked(run: Training) -> None:
 def roll_back(run: Training, step: int, at: mdata.FeedPosition, spike: Spike) -> int | None:
     """--on_loss_spike rollback (every rank alike: the loss was all-reduced): reload the newest
     checkpoint, mark this step's window to be skipped when the replay reaches it, and return the
-    checkpoint's step. None: no rollback (the mode is 'skip', or no checkpoint exists yet); the
-    update is skipped instead."""
+    checkpoint's step. None: no rollback (the mode is 'skip', or no checkpoint of this number of
+    processes exists yet: another number's data positions are not this run's); the update is
+    skipped instead."""
     latest = run.checkpointer.latest()
     if run.cfg.run.on_loss_spike != "rollback" or latest is None:
         return None
     saved = ckpt.read_state(latest)
+    if saved.world_size != run.accelerator.num_processes:
+        return None
     run.checkpointer.restore(latest, {}, saved.step)
     run.feed.seek(saved.epoch, saved.batch_in_epoch, saved.block_in_epoch,
                   None if run.feed.sampler is not None else ckpt.read_data_state(latest, run.accelerator.process_index))
     run.log.rewind(saved.step, saved.tokens_seen)
     run.spiked_windows.add(window_key(at))
     run.spikes["rolled_back"] += 1
-    logger.warning("step %d: loss %.4f is %.1fx the median %.4f of the last %d steps (--loss_spike_factor %g): "
-                   "rolled back to %s; the step's %d micro-batch(es) from epoch %d, micro-batch %d%s on are skipped",
-                   step + 1, spike.loss, spike.loss / spike.median, spike.median, spike.steps,
-                   run.cfg.run.loss_spike_factor, latest.name, run.cfg.training.gradient_accumulation_steps,
+    logger.warning("%s: rolled back to %s; the step's %d micro-batch(es) from epoch %d, micro-batch %d%s on are "
+                   "skipped", spike_words(run, step, spike), latest.name, run.cfg.training.gradient_accumulation_steps,
                    at.epoch, at.batch_in_epoch, "" if at.block_in_epoch is None else f" (slot {at.block_in_epoch})")
     return saved.step
+
+
+def spike_words(run: Training, step: int, spike: Spike) -> str:
+    return (f"step {step + 1}: loss {spike.loss:.4f} is {spike.loss / spike.median:.1f}x the median {spike.median:.4f} "
+            f"of the last {spike.steps} steps (--loss_spike_factor {run.cfg.run.loss_spike_factor:g})")
 
 
 def on_skipped(run: Training, step: int, result: StepResult) -> None:
@@ -405,11 +411,8 @@ def on_skipped(run: Training, step: int, result: StepResult) -> None:
     --on_nonfinite_loss counts it or stops (every rank alike: the norm is the same)."""
     if result.spike is not None:
         run.spikes["skipped"] += 1
-        spike = result.spike
-        logger.warning("step %d: loss %.4f is %.1fx the median %.4f of the last %d steps (--loss_spike_factor %g): "
-                       "update skipped%s", step + 1, spike.loss, spike.loss / spike.median, spike.median, spike.steps,
-                       run.cfg.run.loss_spike_factor,
-                       "" if run.cfg.run.on_loss_spike == "skip" else " (no checkpoint to roll back to yet)")
+        why = "" if run.cfg.run.on_loss_spike == "skip" else " (no checkpoint of this run to roll back to yet)"
+        logger.warning("%s: update skipped%s", spike_words(run, step, result.spike), why)
         return
     if run.cfg.run.on_nonfinite_loss == "skip":
         run.skipped_steps += 1
