@@ -45,6 +45,7 @@ from mlm_ddp.model import (
     resolve_model_path,
     wrap_model,
 )
+from mlm_ddp.speed import measure_peak, synchronize, training_flops_per_token
 from mlm_ddp.step import masked_tokens, train_step
 
 PRECISIONS = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}  # bench name -> Accelerator(mixed_precision=)
@@ -82,49 +83,6 @@ class BenchConfig:
                 raise BadInput(f"--{name} must be at least 1, got {getattr(self, name)}")
         if self.warmup < 0:
             raise BadInput(f"--warmup must be >= 0, got {self.warmup}")
-
-
-# ---------------------------------------------------------------------------------------------
-# FLOPs and peak
-# ---------------------------------------------------------------------------------------------
-
-
-def training_flops_per_token(model_config: Any, seq: int, head_fraction: float) -> float:
-    """Matmul FLOPs of forward + backward (3x forward) per input token of a BERT-style encoder + MLM head.
-
-    Per layer: Q, K, V, output projections (4 H^2) and the MLP (2 H I), 2 FLOPs per multiply-add,
-    plus attention scores and the weighted sum (2 x 2 T H). The head (transform H^2 + decoder H V) runs
-    on `head_fraction` of the tokens: 1 for the full head, the masked share for the masked-only one.
-    Embedding lookups, norms and activations are not counted (they are not matmuls).
-    """
-    h, inner, layers = model_config.hidden_size, model_config.intermediate_size, model_config.num_hidden_layers
-    encoder = layers * (2 * (4 * h * h + 2 * h * inner) + 4 * seq * h)
-    head = 2 * (h * h + h * model_config.vocab_size) * head_fraction
-    return 3.0 * (encoder + head)
-
-
-def measure_peak(accelerator: Accelerator, min_seconds: float = 1.0) -> float:
-    """FLOP/s of a square matmul through the path the models take (F.linear under the run's
-    autocast): the peak that MFU is measured against. On a CPU a plain bf16 `a @ b` takes a far
-    slower kernel than autocast's, so it would not be the peak of anything the models run."""
-    device = accelerator.device
-    n = 8192 if device.type == "cuda" else 1024
-    a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
-    best = math.inf
-    start = time.perf_counter()
-    with accelerator.autocast():
-        while time.perf_counter() - start < min_seconds or best == math.inf:
-            t = time.perf_counter()
-            for _ in range(3):
-                torch.nn.functional.linear(a, b)
-            synchronize(device)
-            best = min(best, (time.perf_counter() - t) / 3)
-    return 2 * n**3 / best
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 # ---------------------------------------------------------------------------------------------

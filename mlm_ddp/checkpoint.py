@@ -12,6 +12,7 @@ that `latest` would pick up.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import pickle
@@ -41,7 +42,7 @@ RESUMABLE_CHANGES = {
     "run.checkpointing_steps", "run.save_total_limit", "run.resume_from_checkpoint", "run.with_tracking",
     "run.report_to", "run.report", "run.stop_signals", "run.ddp_timeout", "run.preprocessing_timeout",
     "run.save_timeout", "run.on_nonfinite_loss", "run.on_loss_spike", "run.loss_spike_factor",
-    "run.loss_spike_window", "training.max_train_steps", "training.num_train_epochs",
+    "run.loss_spike_window", "run.peak_tflops", "training.max_train_steps", "training.num_train_epochs",
     "training.cpu_threads",
     "data.preprocessing_num_workers", "model.mlm_head", "model.fsdp_wrap_classes", "training.optimizer_impl",
     "training.torch_compile", "run.push_to_hub", "run.hub_model_id", "run.hub_token", "data.overwrite_cache",
@@ -346,12 +347,22 @@ def _fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
-def _fsync_tree(root: Path) -> None:
+def _fsync_tree(root: Path, only: Callable[[Path], bool] | None = None) -> None:
+    """fsync the files under `root` (those `only` selects) and every folder's entries."""
     for path in sorted(root.rglob("*")):
-        if path.is_file():
+        if path.is_file() and (only is None or only(path)):
             with open(path, "rb") as handle:
                 os.fsync(handle.fileno())
+        elif path.is_dir():
+            _fsync_dir(path)
     _fsync_dir(root)
+
+
+def written_by_rank(path: Path, rank: int) -> bool:
+    """The files of a checkpoint that rank `rank` writes: its RNG states, its stream position, its
+    FSDP shards. On a network filesystem only the writer's fsync makes them durable, so each rank
+    fsyncs its own before the main process marks the checkpoint complete."""
+    return path.name in (f"random_states_{rank}.pkl", data_state_name(rank), f"__{rank}_0.distcp")
 
 
 def write_atomic(path: Path, text: str) -> None:
@@ -463,6 +474,8 @@ class Checkpointer:
             accelerator.save_state(str(tmp))
             if data_state is not None:  # this rank's stream position
                 (tmp / data_state_name(accelerator.process_index)).write_text(json.dumps(data_state))
+            if not is_main:  # the main process fsyncs the whole folder in `finalize`
+                _fsync_tree(tmp, functools.partial(written_by_rank, rank=accelerator.process_index))
         except Exception as err:  # safetensors and torch.save report a full disk in their own types
             error = err
         self._agree_saved(tmp, final, error)

@@ -364,6 +364,12 @@ class RunConfig:
         "scaler's business and never count.",
         default="stop",
     )
+    peak_tflops: float | None = _doc(
+        "Peak TFLOP/s of one device at the training precision, for the MFU in the log and "
+        "metrics.jsonl (achieved matmul FLOP/s over it). Default: measured at start-up (1 s of matmuls "
+        "the way the model runs them). Give your GPU's datasheet number to compare with published MFUs.",
+        default=None,
+    )
     on_loss_spike: Literal["off", "skip", "rollback"] = _doc(
         "A loss spike: a step whose loss is above --loss_spike_factor x the median of the last "
         "--loss_spike_window steps' losses. 'skip' drops that step's update (the step counts); 'rollback' "
@@ -402,6 +408,8 @@ class RunConfig:
         for flag, value in timeouts.items():
             if value < 1:
                 raise BadInput(f"{flag} must be at least 1 second, got {value}")
+        if self.peak_tflops is not None and self.peak_tflops <= 0:
+            raise BadInput(f"--peak_tflops must be above 0, got {self.peak_tflops}")
         if self.loss_spike_factor <= 1:
             raise BadInput(f"--loss_spike_factor must be above 1, got {self.loss_spike_factor}")
         if self.loss_spike_window < 10:

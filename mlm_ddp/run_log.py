@@ -9,7 +9,7 @@ import importlib.util
 import json
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -138,12 +138,26 @@ def tracker_kwargs(out: Path, trackers: list[str]) -> dict[str, dict[str, Any]]:
     return kwargs
 
 
+@dataclass(frozen=True)
+class Utilisation:
+    """What MFU is computed from: FLOPs per token for a share of tokens that go through the head, and
+    one device's peak FLOP/s."""
+
+    flops_per_token: Callable[[float], float]  # head fraction -> matmul FLOPs per token
+    masked_only: bool  # the head runs on the masked tokens only
+    peak: float
+
+    def mfu(self, tokens_per_s_per_device: float, masked: float, tokens: float) -> float:
+        fraction = masked / max(tokens, 1) if self.masked_only else 1.0
+        return tokens_per_s_per_device * self.flops_per_token(fraction) / self.peak
+
+
 class RunLog:
     """metrics.jsonl (main process), the trackers and the progress bar of one run. Every rank
     calls every method at the same point: `maybe`, `write` and `tokens_total` hold collectives."""
 
     def __init__(self, cfg: Config, accelerator: Accelerator, trackers: list[str], start_step: int,
-                 total_steps: int, resumed: bool, tokens_before: int) -> None:
+                 total_steps: int, resumed: bool, tokens_before: int, usage: Utilisation | None = None) -> None:
         self.accelerator, self.trackers, self.every = accelerator, trackers, cfg.run.logging_steps
         self.total_steps, self.tokens_before = total_steps, tokens_before
         out = Path(cfg.run.output_dir)
@@ -161,6 +175,8 @@ class RunLog:
         self.trained = torch.zeros((), dtype=torch.float64, device=accelerator.device)  # this rank's tokens
         self.start_step = start_step
         self.clock, self.progress = TrainingClock(), None
+        self.usage = usage  # None: MFU not logged (a model whose FLOPs are not counted)
+        self.run_masked = self.run_tokens = 0.0  # all ranks, over the logged steps: the run's head share
 
     def _trim(self, step: int) -> None:
         """Drop what was logged after `step` (a crashed run's lines, or those a rollback replays)."""
@@ -203,8 +219,19 @@ class RunLog:
         record = {"step": step, "epoch": round(epoch, 4), "loss": loss_sum / max(masked, 1), "lr": lr,
                   "tokens_per_s": tokens / self.clock.lap()}
         self.since_log = StepSums.zeros(self.accelerator.device)
-        self.progress.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
+        self.run_masked, self.run_tokens = self.run_masked + masked, self.run_tokens + tokens
+        shown = {"loss": f"{record['loss']:.4f}", "tok_s": f"{record['tokens_per_s']:.0f}"}
+        if self.usage is not None:
+            record["mfu"] = self.usage.mfu(record["tokens_per_s"] / self.accelerator.num_processes, masked, tokens)
+            shown["mfu"] = f"{record['mfu']:.1%}"
+        self.progress.set_postfix(shown)
         return record
+
+    def run_mfu(self, tokens_per_s: float) -> float | None:
+        """The MFU of a whole run that trained `tokens_per_s` (all ranks)."""
+        if self.usage is None:
+            return None
+        return self.usage.mfu(tokens_per_s / self.accelerator.num_processes, self.run_masked, self.run_tokens)
 
     def write(self, record: dict[str, Any], with_tokens: bool = True) -> None:
         """Append `record` (if any) to metrics.jsonl and the trackers, with the tokens seen so far (a

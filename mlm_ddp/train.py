@@ -29,7 +29,7 @@ from accelerate.utils import set_seed
 
 from mlm_ddp import checkpoint as ckpt
 from mlm_ddp import data as mdata
-from mlm_ddp import distributed
+from mlm_ddp import distributed, speed
 from mlm_ddp.config import Config, parse_args
 from mlm_ddp.errors import EXIT_FAILED, BadInput, NonFiniteLoss, Preempted, RunEnded
 from mlm_ddp.evaluation import Evaluator, record_fields
@@ -43,7 +43,7 @@ from mlm_ddp.model import (
     prepare_for_training,
 )
 from mlm_ddp.run_folder import OutputPlan, RunFolder, model_card
-from mlm_ddp.run_log import RunLog, check_trackers, read_metrics_lines
+from mlm_ddp.run_log import RunLog, Utilisation, check_trackers, read_metrics_lines
 from mlm_ddp.step import LossSpikeGuard, Spike, StepResult, masked_tokens, train_step
 
 logger = get_logger(__name__)
@@ -71,6 +71,7 @@ class TrainResult:
     output_dir: str
     final_dir: str
     loss_spikes: dict[str, int] = field(default_factory=dict)  # "skipped", "rolled_back": steps of each
+    mfu: float | None = None  # model FLOPs utilisation of the training steps (speed.py)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -214,13 +215,26 @@ def build(cfg: Config, checked: Checked, hooks: Hooks) -> Training:
     # the first write: every check passed, the checkpoint loaded and the stream fills a step
     checked.folder.prepare(accelerator, wait, checked.plan, start.step)
     log = RunLog(cfg, accelerator, checked.trackers, start.step, data.total_steps, resume_from is not None,
-                 start.tokens_seen)
+                 start.tokens_seen, utilisation(cfg, checked, accelerator, model))
     evaluator = Evaluator(cfg.run.eval_steps, data.total_steps, accelerator, model, data.eval_loader)
     heartbeat = Heartbeat(checked.folder.path, accelerator.process_index, accelerator.num_processes, hooks.on_beat)
     guard = None if cfg.run.on_loss_spike == "off" else LossSpikeGuard(cfg.run.loss_spike_factor,
                                                                       cfg.run.loss_spike_window)
     return Training(cfg, checked, accelerator, wait, data, model, optimizer, scheduler, feed, stream_state, log,
                     evaluator, checkpointer, heartbeat, hooks, guard)
+
+
+def utilisation(cfg: Config, checked: Checked, accelerator: Accelerator, model: torch.nn.Module) -> Utilisation | None:
+    """What the log's MFU is computed from (None, with a line, when the model's FLOPs are not counted)."""
+    if not speed.flops_known(checked.model_config):
+        logger.info("MFU not logged: %s names its sizes otherwise than %s", type(checked.model_config).__name__,
+                    ", ".join(speed.FLOP_FIELDS))
+        return None
+    peak = speed.peak_flops(cfg.run.peak_tflops, accelerator)
+    logger.info("MFU against %.3f TFLOP/s per device (%s)", peak / 1e12,
+                "--peak_tflops" if cfg.run.peak_tflops else "measured now: a matmul at the training precision")
+    return Utilisation(functools.partial(speed.training_flops_per_token, checked.model_config, cfg.data.max_seq_length),
+                       accelerator.unwrap_model(model).masked_only, peak)
 
 
 def describe(cfg: Config, checked: Checked, accelerator: Accelerator, precision: str, data: mdata.RankData,
@@ -439,11 +453,11 @@ def finish(run: Training, steps: int, started: float) -> TrainResult:
                       run.checked.model_config.model_type)
     run.heartbeat.beat(steps, "final save")
     final = folder.save_final(accelerator, run.wait, run.model, run.checked.tokenizer, card)
+    tokens_per_s = (tokens_seen - run.start.tokens_seen) / max(log.clock.training_s, 1e-9)
     result = TrainResult(
-        steps=steps, tokens_seen=tokens_seen, wall_time_s=time.perf_counter() - started,
-        tokens_per_s=(tokens_seen - run.start.tokens_seen) / max(log.clock.training_s, 1e-9),
+        steps=steps, tokens_seen=tokens_seen, wall_time_s=time.perf_counter() - started, tokens_per_s=tokens_per_s,
         eval_before=run.evaluator.first, eval_after=run.evaluator.last, output_dir=str(folder.path),
-        final_dir=str(final), loss_spikes=dict(run.spikes) if run.guard else {},
+        final_dir=str(final), loss_spikes=dict(run.spikes) if run.guard else {}, mfu=log.run_mfu(tokens_per_s),
     )
     folder.write_summary(accelerator.is_main_process, asdict(result))
     logger.info("%s", summary_line(result))
@@ -470,7 +484,8 @@ def train(cfg: Config, hooks: Hooks | None = None) -> TrainResult:
 
 def summary_line(result: TrainResult) -> str:
     line = (f"done: {result.steps} steps, {result.tokens_seen} tokens in {result.wall_time_s:.0f} s "
-            f"({result.tokens_per_s:.0f} tokens/s while training)")
+            f"({result.tokens_per_s:.0f} tokens/s while training"
+            + (f", MFU {result.mfu:.1%}" if result.mfu is not None else "") + ")")
     before, after = result.eval_before, result.eval_after
     if before and after:
         line += (f"; eval loss {before['loss']:.4f} -> {after['loss']:.4f}, "

@@ -113,6 +113,10 @@ on_cancel() {
 trap on_warning USR1
 trap on_cancel TERM
 
+# Each gloo group costs every process (processes + 3) file descriptors: at 64 nodes x 8, two groups
+# pass the common soft limit of 1024 (README "At scale"). srun passes this limit on to the tasks.
+ulimit -n "$(ulimit -Hn)" 2>/dev/null || true
+
 # One task per node runs accelerate launch (exec: the task is the launcher); $SLURM_NODEID is
 # expanded inside the step, on each node.
 # shellcheck disable=SC2016  # expanded by the inner bash, on each node

@@ -19,6 +19,7 @@ import pytest  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 CLUSTER = REPO / "tests" / "slurm_cluster.sh"
+TINY_PEAK_TFLOPS = 0.1
 NO_DROPOUT = ["--config_overrides", "hidden_dropout_prob=0,attention_probs_dropout_prob=0"]
 
 
@@ -97,12 +98,13 @@ def _fresh_accelerate_state() -> None:
 
 def tiny_args(model: Path, corpus: dict[str, Path], out: Path, *extra: str) -> list[str]:
     """Flags of a fast tiny run; later flags win over earlier ones. No warm-up: a run of a few steps
-    trains at its full rate from the first."""
+    trains at its full rate from the first. A given peak for the MFU: no second of matmuls at start-up."""
     return [
         "--model_name_or_path", str(model), "--train_file", str(corpus["train"]),
         "--validation_file", str(corpus["valid"]), "--output_dir", str(out),
         "--max_seq_length", "32", "--per_device_train_batch_size", "8", "--per_device_eval_batch_size", "32",
-        "--learning_rate", "1e-3", "--num_warmup_steps", "0", "--logging_steps", "1", *extra,
+        "--learning_rate", "1e-3", "--num_warmup_steps", "0", "--logging_steps", "1",
+        "--peak_tflops", str(TINY_PEAK_TFLOPS), *extra,
     ]
 
 

@@ -9,7 +9,8 @@ import pytest
 import torch
 from transformers import AutoConfig, BertConfig, BertForMaskedLM
 
-from mlm_ddp.bench import main, training_flops_per_token
+from mlm_ddp.bench import main
+from mlm_ddp.speed import training_flops_per_token
 
 
 def test_flops_per_token_counts_every_linear_layer_of_the_model() -> None:

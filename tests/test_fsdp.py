@@ -98,6 +98,9 @@ def test_sharded_checkpoints_are_complete_rotated_and_refused_where_they_cannot_
     newest = done[-1]
     for name in ckpt.state_files(2, sharded=True):
         assert (newest / name).is_file(), name
+    # what rank 1 fsyncs itself before the main process marks the checkpoint complete
+    mine = sorted(str(p.relative_to(newest)) for p in newest.rglob("*") if p.is_file() and ckpt.written_by_rank(p, 1))
+    assert mine == ["optimizer_0/__1_0.distcp", "pytorch_model_fsdp_0/__1_0.distcp", "random_states_1.pkl"]
     assert not (newest / "model.safetensors").exists()
     saved = yaml.safe_load((newest / "config.yaml").read_text())
     state, _ = ckpt.check_resume(newest, saved, world_size=2, sharded=True)

