@@ -33,7 +33,11 @@ def measure_peak(accelerator: Accelerator, min_seconds: float = 1.0) -> float:
     slower kernel than autocast's, so it would not be the peak of anything the models run."""
     device = accelerator.device
     n = 8192 if device.type == "cuda" else 1024
-    a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
+    # its own generator: a resumed run measures after restoring the RNG states, and a draw from the
+    # global generator would shift every dropout mask after it
+    generator = torch.Generator(device=device).manual_seed(0)
+    a = torch.randn(n, n, device=device, generator=generator)
+    b = torch.randn(n, n, device=device, generator=generator)
     best = math.inf
     start = time.perf_counter()
     with accelerator.autocast():

@@ -47,3 +47,15 @@ def test_bench_runs_both_recipes_and_prints_one_json_line(tiny_model: Path, caps
 def test_bench_names_the_flag_to_lower_when_the_corpus_is_too_small(tiny_model: Path, capsys) -> None:
     assert main(["--model", str(tiny_model), "--seq", "32", "--eval_blocks", "100000"]) == 2
     assert "--eval_blocks 100000" in capsys.readouterr().err
+
+
+def test_measuring_the_peak_leaves_the_random_state_alone() -> None:
+    # train measures the peak after restoring a checkpoint's RNG states: a draw from torch's global
+    # generator would shift every later dropout mask of a resumed run
+    from accelerate import Accelerator
+
+    from mlm_ddp.speed import measure_peak
+
+    before = torch.get_rng_state()
+    assert measure_peak(Accelerator(cpu=True), min_seconds=0.05) > 0
+    assert torch.equal(torch.get_rng_state(), before)
