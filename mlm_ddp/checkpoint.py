@@ -418,6 +418,14 @@ class StopSignals:
         if self.received is None:
             self.received = signal.Signals(signum).name
 
+    def votes(self) -> list[float]:
+        """This process's vote for the step's all-reduce: 1 in the slot of the signal it received."""
+        return [float(name == self.received) for name in self.names]
+
+    def agreed(self, summed: list[float]) -> list[str]:
+        """The signals any process received, from the summed votes, in --stop_signals order."""
+        return [name for name, votes in zip(self.names, summed, strict=True) if votes > 0]
+
     def __enter__(self) -> StopSignals:
         for name in self.names:
             self._previous[name] = signal.signal(getattr(signal, name), self._handle)

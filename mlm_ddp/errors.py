@@ -41,8 +41,9 @@ class CheckpointWriteError(RunEnded):
 class Preempted(RunEnded):
     """A stop signal arrived; every process saved the same checkpoint; the job may be requeued.
 
-    `signal_name` is the signal this process received (None: another process received one), so that a
-    launcher can requeue on its scheduler's warning signal only, never on a cancel's SIGTERM."""
+    `signal_name` names the signals the processes received, agreed by all of them (several: comma-
+    separated), so that every rank, rank 0 included, knows whether the scheduler's warning signal
+    came (requeue) or only a cancel's SIGTERM (do not), whichever process it reached first."""
 
     exit_code, is_error = EXIT_REQUEUE, False
 

@@ -66,13 +66,13 @@ class TrainTask:
             topo = distributed.detect(cuda_devices=0)
             print(f"mlm_ddp.submit: {stop}", file=sys.stderr, flush=True)
             if topo.rank == 0 and topo.job_id is not None:
-                if stop.signal_name == warning_signal():
+                # the signals every rank agreed on, so rank 0 knows even when another task got one first
+                if warning_signal() in (stop.signal_name or "").split(","):
                     distributed.requeue(topo)
                     print(f"mlm_ddp.submit: requeued job {topo.job_id}", file=sys.stderr, flush=True)
                 else:  # scancel, or Slurm ending the job itself: the checkpoint is saved, the job ends
-                    print(f"mlm_ddp.submit: not requeued: {stop.signal_name or 'a signal on another task'} is not "
-                          f"the preemption warning ({warning_signal()}); resubmit the same command to continue",
-                          file=sys.stderr, flush=True)
+                    print(f"mlm_ddp.submit: not requeued: {stop.signal_name} is not the preemption warning "
+                          f"({warning_signal()}); resubmit the same command to continue", file=sys.stderr, flush=True)
             # no result: Submitit must not record the job as done; a requeued or resubmitted run finishes it
             sys.exit(EXIT_REQUEUE)
 

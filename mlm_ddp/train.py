@@ -278,10 +278,10 @@ def fit(run: Training, stop: ckpt.StopSignals) -> int:
         before = feed.position()
         window = read_window(run, step, before.epoch)
         beat(step + 1, "data", "the all-reduce of the step's masked tokens and stop votes")
-        masked, stopping = agree_on_step(accelerator, window, stop.received is not None)
-        if stopping:
+        masked, signals = agree_on_step(accelerator, window, stop)
+        if signals:
             beat(step, "checkpoint")
-            stop_here(run, trainer_state(run, step, before), before.stream, stop.received)
+            stop_here(run, trainer_state(run, step, before), before.stream, signals)
         beat(step + 1, "forward/backward")
         result = train_step(accelerator, run.model, run.optimizer, window, masked, run.cfg.training.max_grad_norm,
                             functools.partial(beat, step + 1), run.guard, loss_factors(run, step, len(window)))
@@ -338,13 +338,14 @@ def read_window(run: Training, step: int, epoch_before: int) -> list[dict[str, t
 
 
 def agree_on_step(accelerator: Accelerator, window: list[dict[str, torch.Tensor]],
-                  stopping: bool) -> tuple[torch.Tensor, bool]:
+                  stop: ckpt.StopSignals) -> tuple[torch.Tensor, list[str]]:
     """One all-reduce per step: the masked tokens of the whole optimizer step (all ranks and
-    micro-batches; the loss is normalised by them) and whether any rank got a stop signal."""
-    local = torch.stack([masked_tokens(window),
-                         torch.tensor(float(stopping), dtype=torch.float64, device=accelerator.device)])
-    masked, stop_votes = accelerator.reduce(local, reduction="sum")
-    return masked, bool(stop_votes > 0)
+    micro-batches; the loss is normalised by them) and the stop signals any rank received (a vote
+    per signal, so that every rank knows which, whichever rank it reached first)."""
+    votes = torch.tensor(stop.votes(), dtype=torch.float64, device=accelerator.device)
+    local = torch.cat([masked_tokens(window).reshape(1), votes])
+    summed = accelerator.reduce(local, reduction="sum")
+    return summed[0], stop.agreed(summed[1:].tolist())
 
 
 def trainer_state(run: Training, step: int, at: mdata.FeedPosition) -> ckpt.TrainerState:
@@ -360,14 +361,14 @@ def position_after(run: Training, step: int) -> tuple[ckpt.TrainerState, dict | 
     return trainer_state(run, step, at), at.stream
 
 
-def stop_here(run: Training, state: ckpt.TrainerState, data_state: dict | None, signal_name: str | None) -> NoReturn:
+def stop_here(run: Training, state: ckpt.TrainerState, data_state: dict | None, signals: list[str]) -> NoReturn:
     """Every rank: save one checkpoint at this step boundary (unless it exists), note why, raise."""
     path = run.checkpointer.save_for_stop(state, data_state)
-    reason = f"signal {signal_name}" if signal_name else "a stop signal on another process"
+    reason = f"signal{'s' if len(signals) > 1 else ''} {','.join(signals)}"
     run.checked.folder.write_stopped(run.accelerator.is_main_process, reason, state.step, path)
     run.wait.barrier()
     raise Preempted(f"stopped at step {state.step} on {reason}; checkpoint {path} saved. Requeue the job "
-                    "with --resume_from_checkpoint latest to continue", signal_name)
+                    "with --resume_from_checkpoint latest to continue", ",".join(signals))
 
 
 def loss_factors(run: Training, step: int, micro_batches: int) -> list[float] | None:
