@@ -13,6 +13,7 @@ from accelerate import Accelerator
 
 FLOP_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers", "vocab_size")
 
+
 def training_flops_per_token(model_config: Any, seq: int, head_fraction: float) -> float:
     """Matmul FLOPs of forward + backward (3x forward) per input token of a BERT-style encoder + MLM head.
 

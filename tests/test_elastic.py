@@ -20,11 +20,11 @@ from tests.test_topology import CONFIGS, LAUNCH, free_port
 STEPS, SAVED = 10, 5
 
 
-def launch(procs: int, args: list[str]) -> str:
-    """`accelerate launch` of `procs` CPU processes; returns their log."""
+def launch(procs: int, args: list[str], module: str = "mlm_ddp.train") -> str:
+    """`accelerate launch` of `procs` CPU processes running `module`; returns their log."""
     proc = run_module([*LAUNCH, "--config_file", str(CONFIGS / "cpu_ddp.yaml"), "--num_processes", str(procs),
                        "--num_cpu_threads_per_process", "1", "--main_process_port", str(free_port()),
-                       "-m", "mlm_ddp.train", *args])
+                       "-m", module, *args])
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stderr
 

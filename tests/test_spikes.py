@@ -15,9 +15,9 @@ import pytest
 from mlm_ddp import heartbeat
 from mlm_ddp.config import parse_args
 from mlm_ddp.train import Hooks, train
-from tests.conftest import read_metrics, run_module, tiny_args, train_losses
+from tests.conftest import read_metrics, tiny_args, train_losses
 from tests.fault_driver import OneSpike
-from tests.test_topology import CONFIGS, LAUNCH, free_port
+from tests.test_elastic import launch
 
 STEPS, SPIKE, SAVED, FACTOR = 24, 14, 10, 1000
 COMMON = ["--max_train_steps", str(STEPS), "--checkpointing_steps", "5", "--eval_steps", str(STEPS),
@@ -70,13 +70,9 @@ def test_skip_drops_the_spiked_update_and_keeps_the_step_count(
 def test_rollback_reloads_the_checkpoint_skips_the_spike_and_replays_to_the_same_end(
         no_spike: Path, harm: float, tiny_model: Path, corpus: dict, tmp_path: Path) -> None:
     out = tmp_path / "rollback"
-    proc = run_module([*LAUNCH, "--config_file", str(CONFIGS / "cpu_ddp.yaml"), "--num_cpu_threads_per_process", "1",
-                       "--main_process_port", str(free_port()), "-m", "tests.fault_driver",
-                       "--spike", f"{SPIKE}:{FACTOR}",
-                       *tiny_args(tiny_model, corpus, out, *COMMON, "--on_loss_spike", "rollback",
-                                  "--per_device_train_batch_size", "4")])
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    log = proc.stderr
+    log = launch(2, ["--spike", f"{SPIKE}:{FACTOR}", *tiny_args(tiny_model, corpus, out, *COMMON, "--on_loss_spike",
+                                                               "rollback", "--per_device_train_batch_size", "4")],
+                 module="tests.fault_driver")
     assert f"step {SPIKE}: loss " in log and f"rolled back to step-{SAVED:07d}" in log, log[-3000:]
     assert log.count("skipped the micro-batches that caused a loss spike (epoch 0, micro-batch ") == 1
     summary = json.loads((out / "summary.json").read_text())
