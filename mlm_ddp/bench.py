@@ -74,6 +74,8 @@ class BenchConfig:
     torch_compile: bool = _doc("Run (b) with --torch_compile.", default=False)
     mlm_head: Literal["masked", "all"] = _doc("(b)'s --mlm_head, to measure what the masked-only head buys.",
                                               default="masked")
+    last_layer_subset: bool = _doc("(b)'s --last_layer_subset.", default=True)
+    dropout_draws: Literal["auto", "16bit", "torch"] = _doc("(b)'s --dropout_draws.", default="auto")
     optimizer_impl: Literal["fused", "foreach", "for-loop"] = _doc("(b)'s --optimizer_impl.", default="fused")
     profile: bool = _doc("Print a torch.profiler table of (b)'s top operations after the timing.", default=False)
 
@@ -100,6 +102,7 @@ class Recipe:
     times: list[float]
     masked: int = 0
     tokens: int = 0
+    last_layer_subset: bool = False  # (b)'s last layer ran on the masked positions only
 
 
 def hf_recipe(model: torch.nn.Module, tokenizer: Any, cfg: BenchConfig, accelerator: Accelerator) -> Recipe:
@@ -132,13 +135,14 @@ def hf_recipe(model: torch.nn.Module, tokenizer: Any, cfg: BenchConfig, accelera
 def mlm_ddp_recipe(model: torch.nn.Module, tokenizer: Any, cfg: BenchConfig, accelerator: Accelerator) -> Recipe:
     """mlm_ddp.train's step, through the same functions and defaults."""
     train_cfg = from_dict({
-        "mlm_head": cfg.mlm_head, "max_seq_length": cfg.seq, "per_device_train_batch_size": cfg.batch,
+        "mlm_head": cfg.mlm_head, "last_layer_subset": cfg.last_layer_subset, "dropout_draws": cfg.dropout_draws,
+        "max_seq_length": cfg.seq, "per_device_train_batch_size": cfg.batch,
         # both recipes at the one learning rate, the head included: the comparison is of the step
         "learning_rate": cfg.learning_rate, "head_learning_rate": cfg.learning_rate, "weight_decay": 0.0,
         "mixed_precision": PRECISIONS[cfg.precision],
         "torch_compile": cfg.torch_compile, "optimizer_impl": cfg.optimizer_impl, "seed": cfg.seed,
     })
-    wrapped = wrap_model(model, cfg.mlm_head, cfg.torch_compile)
+    wrapped = wrap_model(model, train_cfg.model, cfg.torch_compile, accelerator.device)
     optimizer = build_optimizer(wrapped, train_cfg.training)
     prepared, optimizer = accelerator.prepare(wrapped, optimizer)
     collator = MaskingCollator.for_tokenizer(tokenizer, split=TRAIN_SPLIT, seed=cfg.seed)
@@ -150,7 +154,7 @@ def mlm_ddp_recipe(model: torch.nn.Module, tokenizer: Any, cfg: BenchConfig, acc
         train_step(accelerator, prepared, optimizer, window, masked, max_norm)  # the step mlm_ddp.train runs
         return int(masked)
 
-    return Recipe(prepared, model, step, [])
+    return Recipe(prepared, model, step, [], last_layer_subset=wrapped.last_layer_subset)
 
 
 def load_base_model(model_cfg: ModelConfig, model_config: Any, random_init: bool, seed: int) -> torch.nn.Module:
@@ -243,8 +247,9 @@ def bench(cfg: BenchConfig) -> dict[str, Any]:
     }
     for key, recipe in (("hf", hf), ("mlm_ddp", ours)):
         rates = [cfg.steps * cfg.batch * cfg.seq / t for t in recipe.times]
-        head_fraction = 1.0 if key == "hf" or cfg.mlm_head == "all" else recipe.masked / recipe.tokens
-        flops = training_flops_per_token(model_config, cfg.seq, head_fraction)
+        share = recipe.masked / recipe.tokens
+        flops = training_flops_per_token(model_config, cfg.seq, 1.0 if key == "hf" or cfg.mlm_head == "all" else share,
+                                         share if recipe.last_layer_subset else 1.0)
         median = statistics.median(rates)
         result[key] = {
             "tokens_per_s": median, "tokens_per_s_min": min(rates), "tokens_per_s_max": max(rates),

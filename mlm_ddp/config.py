@@ -89,6 +89,21 @@ class ModelConfig:
         "'all' positions as transformers' *ForMaskedLM does.",
         default="masked",
     )
+    last_layer_subset: bool = _doc(
+        "With --mlm_head masked: run the last encoder layer's queries, attention output and feed-forward "
+        "on the masked positions only (keys and values on all), as NVIDIA's and MosaicBERT's BERT "
+        "trainers do: the same loss and gradients for less compute (README 'Performance'). Models "
+        "without a BERT-style last layer, --gradient_checkpointing and --torch_compile run the full "
+        "layer, with one log line.",
+        default=True,
+    )
+    dropout_draws: Literal["auto", "16bit", "torch"] = _doc(
+        "How dropout draws its keep-masks: '16bit' cuts four 16-bit uniforms from each 64-bit random "
+        "draw (the same keep probability up to 2^-16 and the same scaling, for a fraction of the "
+        "random-number work), 'torch' uses torch's dropout kernels. 'auto': 16bit on CPU, torch on "
+        "GPU (its fused attention kernel draws dropout inside the kernel).",
+        default="auto",
+    )
     fsdp_wrap_classes: str | None = _doc(
         "FSDP only: comma-separated module classes that each become one FSDP unit, e.g. 'BertLayer'. "
         "Default: the model's own `_no_split_modules`, else the class of its repeated encoder layers. "

@@ -15,6 +15,7 @@ import transformers
 from accelerate.logging import get_logger
 from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForMaskedLM, AutoTokenizer, PreTrainedModel, get_scheduler
 
+from mlm_ddp import fast_paths
 from mlm_ddp.config import ModelConfig, TrainingConfig
 from mlm_ddp.distributed import sharded
 from mlm_ddp.errors import BadInput
@@ -277,13 +278,17 @@ class MaskedLMLoss(torch.nn.Module):
     hooks see the whole computation; `.model` is the transformers model that `save_pretrained` writes.
     """
 
-    def __init__(self, model: PreTrainedModel, masked_only: bool = True) -> None:
+    def __init__(self, model: PreTrainedModel, masked_only: bool = True, last_layer_subset: bool = False,
+                 draws16: bool = False) -> None:
         super().__init__()
         self.model = model
         self.head_name = next(
             (name for name in MLM_HEAD_ATTRIBUTES if isinstance(getattr(model, name, None), torch.nn.Module)), None
         )
         self.masked_only = masked_only and self.head_name is not None  # else the model's own forward
+        # the caller checked fast_paths.subset_unsupported; the subset needs the masked-only head
+        self.last_layer_subset = last_layer_subset and self.masked_only
+        self.draws16 = draws16
 
     def tie_weights(self) -> None:
         """Tie the model's shared parameters again. accelerate calls this on the module it prepares
@@ -295,7 +300,11 @@ class MaskedLMLoss(torch.nn.Module):
                 labels: torch.Tensor) -> tuple[torch.Tensor, ...]:
         selected = labels != NO_LOSS  # (B, T)
         targets = labels[selected]  # (N,)
-        if self.masked_only:
+        if self.last_layer_subset:
+            with fast_paths.last_layer_on(self.model, selected, self.draws16):
+                hidden = self.model.base_model(input_ids=input_ids, attention_mask=attention_mask)[0]  # (N, H)
+            logits = getattr(self.model, self.head_name)(hidden)  # (N, V)
+        elif self.masked_only:
             hidden = self.model.base_model(input_ids=input_ids, attention_mask=attention_mask)[0]  # (B, T, H)
             logits = getattr(self.model, self.head_name)(hidden[selected])  # (N, V)
         else:
@@ -303,10 +312,26 @@ class MaskedLMLoss(torch.nn.Module):
         return loss_sums(logits, targets)
 
 
-def wrap_model(transformers_model: PreTrainedModel, mlm_head: str, torch_compile: bool) -> MaskedLMLoss:
-    """The transformers model in its loss wrapper (--mlm_head), the encoder compiled if asked."""
-    model = MaskedLMLoss(transformers_model, masked_only=mlm_head == "masked")
-    if mlm_head == "masked" and not model.masked_only:
+def wrap_model(transformers_model: PreTrainedModel, cfg: ModelConfig, torch_compile: bool,
+               device: torch.device) -> MaskedLMLoss:
+    """The transformers model in its loss wrapper (--mlm_head), with the fast paths that apply
+    (--last_layer_subset, --dropout_draws; each falls back with one log line), compiled if asked."""
+    masked = cfg.mlm_head == "masked"
+    draws16 = cfg.dropout_draws == "16bit" or (cfg.dropout_draws == "auto" and device.type == "cpu")
+    if draws16:
+        logger.info("dropout draws 16-bit keep-masks (--dropout_draws %s): %s", cfg.dropout_draws,
+                    ", ".join(fast_paths.use_dropout16(transformers_model)) or "the model has no dropout")
+    subset = masked and cfg.last_layer_subset
+    if subset:
+        reason = fast_paths.subset_unsupported(transformers_model)
+        reason = reason or ("--gradient_checkpointing recomputes the layer's full forward" if
+                            cfg.gradient_checkpointing else None)
+        reason = reason or ("--torch_compile would recompile for every batch's positions" if torch_compile else None)
+        if reason:
+            logger.info("--last_layer_subset: the last encoder layer runs on every position: %s", reason)
+        subset = reason is None
+    model = MaskedLMLoss(transformers_model, masked_only=masked, last_layer_subset=subset, draws16=draws16)
+    if masked and not model.masked_only:
         logger.warning("%s has no single MLM head module (%s): its head runs on every position, as with "
                        "--mlm_head all", type(model.model).__name__, " or ".join(MLM_HEAD_ATTRIBUTES))
     if torch_compile:
@@ -368,7 +393,7 @@ def configure_fsdp_units(plugin: Any, requested: str | None, inner: torch.nn.Mod
 def prepare_for_training(accelerator: Any, transformers_model: PreTrainedModel, model_cfg: ModelConfig,
                          training: TrainingConfig, total_steps: int) -> tuple[Any, torch.optim.Optimizer, Any, int]:
     """The model in its loss wrapper, its optimizer and scheduler, prepared; and the parameter count."""
-    model = wrap_model(transformers_model, model_cfg.mlm_head, training.torch_compile)
+    model = wrap_model(transformers_model, model_cfg, training.torch_compile, accelerator.device)
     optimizer = build_optimizer(model, training)
     # the scheduler is stepped by us once per optimizer step: not prepared, saved as JSON
     scheduler = get_scheduler(training.lr_scheduler_type, optimizer, num_warmup_steps=training.num_warmup_steps,

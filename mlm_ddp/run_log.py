@@ -143,13 +143,15 @@ class Utilisation:
     """What MFU is computed from: FLOPs per token for a share of tokens that go through the head, and
     one device's peak FLOP/s."""
 
-    flops_per_token: Callable[[float], float]  # head fraction -> matmul FLOPs per token
+    flops_per_token: Callable[[float, float], float]  # head, last-layer fractions -> matmul FLOPs per token
     masked_only: bool  # the head runs on the masked tokens only
     peak: float
+    last_layer_subset: bool = False  # so does the last encoder layer, but for its keys and values
 
     def mfu(self, tokens_per_s_per_device: float, masked: float, tokens: float) -> float:
-        fraction = masked / max(tokens, 1) if self.masked_only else 1.0
-        return tokens_per_s_per_device * self.flops_per_token(fraction) / self.peak
+        share = masked / max(tokens, 1)
+        flops = self.flops_per_token(share if self.masked_only else 1.0, share if self.last_layer_subset else 1.0)
+        return tokens_per_s_per_device * flops / self.peak
 
 
 class RunLog:

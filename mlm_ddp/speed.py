@@ -14,16 +14,21 @@ from accelerate import Accelerator
 FLOP_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers", "vocab_size")
 
 
-def training_flops_per_token(model_config: Any, seq: int, head_fraction: float) -> float:
+def training_flops_per_token(model_config: Any, seq: int, head_fraction: float,
+                             last_layer_fraction: float = 1.0) -> float:
     """Matmul FLOPs of forward + backward (3x forward) per input token of a BERT-style encoder + MLM head.
 
     Per layer: Q, K, V, output projections (4 H^2) and the MLP (2 H I), 2 FLOPs per multiply-add,
     plus attention scores and the weighted sum (2 x 2 T H). The head (transform H^2 + decoder H V) runs
     on `head_fraction` of the tokens: 1 for the full head, the masked share for the masked-only one.
+    The last layer's queries, output projection, MLP and attention run on `last_layer_fraction` of the
+    tokens (the masked share with --last_layer_subset; its keys and values on all of them).
     Embedding lookups, norms and activations are not counted (they are not matmuls).
     """
     h, inner, layers = model_config.hidden_size, model_config.intermediate_size, model_config.num_hidden_layers
-    encoder = layers * (2 * (4 * h * h + 2 * h * inner) + 4 * seq * h)
+    keys_values = 2 * 2 * h * h
+    per_query = 2 * (2 * h * h + 2 * h * inner) + 4 * seq * h
+    encoder = layers * (keys_values + per_query) - (1.0 - last_layer_fraction) * per_query
     head = 2 * (h * h + h * model_config.vocab_size) * head_fraction
     return 3.0 * (encoder + head)
 

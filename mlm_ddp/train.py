@@ -233,8 +233,9 @@ def utilisation(cfg: Config, checked: Checked, accelerator: Accelerator, model: 
     peak = speed.peak_flops(cfg.run.peak_tflops, accelerator)
     logger.info("MFU against %.3f TFLOP/s per device (%s)", peak / 1e12,
                 "--peak_tflops" if cfg.run.peak_tflops else "measured now: a matmul at the training precision")
+    wrapper = accelerator.unwrap_model(model)
     return Utilisation(functools.partial(speed.training_flops_per_token, checked.model_config, cfg.data.max_seq_length),
-                       accelerator.unwrap_model(model).masked_only, peak)
+                       wrapper.masked_only, peak, wrapper.last_layer_subset)
 
 
 def describe(cfg: Config, checked: Checked, accelerator: Accelerator, precision: str, data: mdata.RankData,

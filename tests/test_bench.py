@@ -24,6 +24,12 @@ def test_flops_per_token_counts_every_linear_layer_of_the_model() -> None:
     attention = 3 * config.num_hidden_layers * 2 * 2 * seq * config.hidden_size  # scores and weighted sum
     assert training_flops_per_token(config, seq, 1.0) == 6 * (encoder + head) + attention
     assert training_flops_per_token(config, seq, 0.15) == pytest.approx(6 * (encoder + 0.15 * head) + attention)
+    # the last layer on 15% of the tokens: its keys and values still on all of them
+    last = model.bert.encoder.layer[-1]
+    kv = sum(m.in_features * m.out_features for m in (last.attention.self.key, last.attention.self.value))
+    rest = sum(m.in_features * m.out_features for m in last.modules() if isinstance(m, torch.nn.Linear)) - kv
+    subset = 6 * (encoder - 0.85 * rest + 0.15 * head) + attention - 0.85 * 3 * 2 * 2 * seq * config.hidden_size
+    assert training_flops_per_token(config, seq, 0.15, 0.15) == pytest.approx(subset)
 
 
 def test_bench_runs_both_recipes_and_prints_one_json_line(tiny_model: Path, capsys) -> None:

@@ -1,0 +1,185 @@
+"""Two ways a training step computes the same objective with less work (README "Performance").
+
+* The last encoder layer on the masked positions only (`last_layer_subset`, NVIDIA's and MosaicBERT's
+  trick): the MLM head reads the final hidden states at the ~15% masked positions, so the last layer
+  needs keys and values at every position but queries, the attention output and the feed-forward only
+  there. Same loss and gradients as the full layer (tests/test_fast_paths.py).
+* Dropout's keep-masks from 16-bit random draws (`Dropout16`, `attention_dropout16`): torch's CPU
+  dropout draws one `bernoulli_` double per element; four 16-bit uniforms cut from each 64-bit draw
+  decide the same keep probability, up to 2^-16, for a quarter of the generator's work. The draws come
+  from torch's default generator, whose state checkpoints save, so a resumed run draws the same masks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+DRAW_BITS = 16
+DRAW_LEVELS = 2**DRAW_BITS
+ATTENTION_DROPOUT16 = "sdpa_dropout16"  # the name the attention function is registered under in transformers
+
+
+def keep_mask(shape: torch.Size | tuple[int, ...], p: float, device: torch.device) -> torch.Tensor:
+    """A bool tensor of `shape`, each element True with probability round((1 - p) * 2^16) / 2^16.
+
+    One int64 draw over the whole 64-bit range gives four independent uniform int16 values; an element
+    is kept when its value is below the threshold (int16 runs from -2^15, hence the shift)."""
+    n = math.prod(shape)
+    words = torch.empty((n + 3) // 4, dtype=torch.int64, device=device).random_(-(2**63), None)
+    threshold = round((1.0 - p) * DRAW_LEVELS) - DRAW_LEVELS // 2
+    return (words.view(torch.int16)[:n] < threshold).view(shape)
+
+
+def dropout16(x: torch.Tensor, p: float) -> torch.Tensor:
+    """Dropout with `keep_mask`'s draws: zero each element with probability p, scale the rest by 1/(1-p)
+    (torch's scaling); the backward multiplies by the same mask and scale."""
+    if p <= 0.0:
+        return x
+    if p >= 1.0:
+        return torch.zeros_like(x)
+    return x.mul(keep_mask(x.shape, p, x.device)).mul_(1.0 / (1.0 - p))
+
+
+class Dropout16(torch.nn.Dropout):
+    """nn.Dropout (same `p`, same place in the model, no state) drawing its masks with `dropout16`."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return dropout16(x, self.p) if self.training else x
+
+
+def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
+           dropout: float, scaling: float, draws16: bool) -> torch.Tensor:
+    """Softmax attention, (B, h, Tq, d) x (B, h, Tk, d) -> (B, h, Tq, d). `mask` is None, bool (True:
+    attend) or additive float, broadcastable to (B, h, Tq, Tk), as transformers builds them.
+
+    Without dropout, or with torch's draws, it is torch's scaled_dot_product_attention. With 16-bit
+    draws it is the computation sdpa's CPU kernel does when it has dropout (scores, softmax, dropout,
+    weighted sum), only with `dropout16`."""
+    if mask is not None and mask.dtype != torch.bool:
+        mask = mask.to(query.dtype)
+    if dropout == 0.0 or not draws16:
+        return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling)
+    scores = torch.matmul(query, key.transpose(-1, -2)) * scaling  # (B, h, Tq, Tk)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    return torch.matmul(dropout16(probs, dropout), value)
+
+
+def attention_dropout16(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                        attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                        **_: Any) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function signature (AttentionInterface): (B, Tq, h, d), no weights."""
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    return attend(query, key, value, attention_mask, dropout, scale, draws16=True).transpose(1, 2).contiguous(), None
+
+
+def use_dropout16(model: torch.nn.Module) -> list[str]:
+    """Swap every nn.Dropout of `model` for a Dropout16 of the same p and, where the model's attention
+    goes through transformers' AttentionInterface with sdpa, the attention function for one that draws
+    its dropout the same way. Returns what was swapped, for the log."""
+    swapped = []
+    for name, module in list(model.named_modules()):
+        for child_name, child in list(module.named_children()):
+            if type(child) is torch.nn.Dropout:
+                setattr(module, child_name, Dropout16(child.p, child.inplace))
+                swapped.append(f"{name}.{child_name}" if name else child_name)
+    done = [f"{len(swapped)} dropout modules"] if swapped else []
+    if attention_interface_ready(model):
+        from transformers import AttentionInterface
+
+        AttentionInterface.register(ATTENTION_DROPOUT16, attention_dropout16)
+        model.set_attn_implementation(ATTENTION_DROPOUT16)
+        done.append("attention dropout")
+    return done
+
+
+def attention_interface_ready(model: torch.nn.Module) -> bool:
+    """Whether the model looks its attention function up by name (transformers >= 4.48 models that
+    support it) and runs sdpa now: the only case the registered function replaces."""
+    config = getattr(model, "config", None)
+    return (getattr(model, "_supports_attention_backend", False) and hasattr(model, "set_attn_implementation")
+            and getattr(config, "_attn_implementation", None) == "sdpa")
+
+
+def subset_unsupported(model: Any) -> str | None:
+    """Why `last_layer_subset` cannot run on this transformers model, or None when it can: it needs a
+    BERT-style last layer (attention.self.{query,key,value}, attention.output, intermediate, output)
+    with absolute positions and no cross-attention."""
+    import transformers
+
+    if int(transformers.__version__.split(".")[0]) < 5:
+        return "transformers < 5 layers return tuples"  # the encoder would read row 0 of the (N, H) output
+    base = getattr(model, "base_model", None)
+    layers = getattr(getattr(base, "encoder", None), "layer", None)
+    if not isinstance(layers, torch.nn.ModuleList) or len(layers) == 0:
+        return "its encoder has no `encoder.layer` list"
+    last = layers[-1]
+    attention = getattr(getattr(last, "attention", None), "self", None)
+    parts = [getattr(attention, name, None) for name in ("query", "key", "value")]
+    if not all(isinstance(p, torch.nn.Linear) for p in parts) or not all(
+            hasattr(last, name) for name in ("intermediate", "output")) or not hasattr(last.attention, "output"):
+        return f"its last layer ({type(last).__name__}) is not a BERT-style layer"
+    config = model.config
+    if getattr(config, "is_decoder", False) or getattr(config, "add_cross_attention", False):
+        return "it is configured as a decoder"
+    if getattr(config, "position_embedding_type", "absolute") not in (None, "absolute"):
+        return f"its attention uses {config.position_embedding_type} positions"
+    return None
+
+
+def last_layer(model: Any) -> torch.nn.Module:
+    return model.base_model.encoder.layer[-1]
+
+
+def subset_forward(layer: torch.nn.Module, selected: torch.Tensor, draws16: bool, hidden_states: torch.Tensor,
+                   attention_mask: torch.Tensor | None = None, *_: Any, **__: Any) -> torch.Tensor:
+    """A BERT-style layer's forward, (B, T, H) -> (N, H) for the N `selected` positions of (B, T), in
+    row-major order (the order of hidden_states[selected]).
+
+    Each row's selected positions are gathered first, padded to the row with the most (at least 1, so
+    that shapes stay non-empty and every parameter stays in the graph); the padding slots are real
+    positions whose results are dropped."""
+    attention = layer.attention.self
+    batch, seq, _ = hidden_states.shape
+    heads, size = attention.num_attention_heads, attention.attention_head_size
+    counts = selected.sum(dim=1)  # (B,)
+    width = max(1, int(counts.max()))
+    order = torch.argsort((~selected).to(torch.int8), dim=1, stable=True)[:, :width]  # (B, M): selected first
+    valid = torch.arange(width, device=selected.device)[None, :] < counts[:, None]  # (B, M)
+    rows = hidden_states.gather(1, order[..., None].expand(batch, width, hidden_states.shape[-1]))  # (B, M, H)
+
+    def split(x: torch.Tensor, length: int) -> torch.Tensor:  # (B, L, h*d) -> (B, h, L, d)
+        return x.view(batch, length, heads, size).transpose(1, 2)
+
+    query = split(attention.query(rows), width)
+    key, value = split(attention.key(hidden_states), seq), split(attention.value(hidden_states), seq)
+    mask = None
+    if attention_mask is not None:  # (B or 1, 1 or h, T or 1, T): the rows of the gathered queries
+        full = attention_mask.expand(batch, attention_mask.shape[1], seq, seq)
+        mask = full.gather(2, order[:, None, :, None].expand(batch, full.shape[1], width, seq))
+    dropout = attention.dropout.p if layer.training else 0.0
+    context = attend(query, key, value, mask, dropout, size**-0.5, draws16)  # (B, h, M, d)
+    context = context.transpose(1, 2).reshape(batch, width, heads * size)[valid]  # (N, H)
+    attention_output = layer.attention.output(context, hidden_states[selected])
+    return layer.output(layer.intermediate(attention_output), attention_output)
+
+
+@contextlib.contextmanager
+def last_layer_on(model: Any, selected: torch.Tensor, draws16: bool) -> Iterator[None]:
+    """Within it, the model's encoder returns the last layer's output at the `selected` positions only,
+    (N, H) instead of (B, T, H): its last layer's forward is `subset_forward` for this one call. The
+    layer is still called through its module, so hooks on it (FSDP's gathers) run as before."""
+    layer = last_layer(model)
+    layer.forward = functools.partial(subset_forward, layer, selected, draws16)
+    try:
+        yield
+    finally:
+        del layer.forward

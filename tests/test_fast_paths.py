@@ -1,0 +1,134 @@
+"""The fast paths of issue 22 compute the same objective: the last layer on the masked positions gives
+the full layer's loss and gradients, and 16-bit dropout draws keep each element with dropout's
+probability, independently, and replay after a restored generator state."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mlm_ddp import fast_paths
+from mlm_ddp.config import ModelConfig
+from mlm_ddp.masking import IGNORE_INDEX
+from mlm_ddp.model import MaskedLMLoss, wrap_model
+from tests.test_model import batch, tiny
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(autouse=True)
+def accelerate_state() -> None:
+    from accelerate.state import PartialState
+
+    PartialState()  # wrap_model's log lines go through accelerate's logger, which needs one
+
+
+def loss_and_grads(net: MaskedLMLoss, b: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    net.zero_grad()
+    loss_sum, n, correct = net(**b)
+    loss_sum.backward()
+    return torch.stack([loss_sum.detach(), n.float(), correct.float()]), {
+        name: p.grad.clone() for name, p in net.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("kind", ["bert", "roberta"])
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+@pytest.mark.parametrize("shape", [(4, 24), (3, 7), (1, 40)])
+def test_last_layer_on_masked_positions_gives_the_full_loss_and_gradients(kind: str, attention: str,
+                                                                           shape: tuple[int, int]) -> None:
+    model = tiny(kind).eval()  # dropout off: both paths must see the same computation
+    model.set_attn_implementation(attention)
+    subset = MaskedLMLoss(model, last_layer_subset=True)
+    full = MaskedLMLoss(model)
+    assert subset.last_layer_subset and fast_paths.subset_unsupported(model) is None
+    for seed in range(3):  # rows with different numbers of masked tokens, one padded row
+        b = batch(seed, shape)
+        (stats_s, g_s), (stats_f, g_f) = loss_and_grads(subset, b), loss_and_grads(full, b)
+        torch.testing.assert_close(stats_s, stats_f, rtol=1e-5, atol=0)
+        assert g_s.keys() == g_f.keys() and len(g_s) == len(list(model.parameters()))
+        scale = max(float(g.abs().max()) for g in g_f.values())
+        for name in g_f:
+            torch.testing.assert_close(g_s[name], g_f[name], rtol=1e-5, atol=1e-6 * scale, msg=name)
+    # the last layer's feed-forward saw only the masked positions
+    seen = []
+    model.base_model.encoder.layer[-1].intermediate.register_forward_hook(
+        lambda _m, args, _out: seen.append(tuple(args[0].shape)))
+    subset(**b)
+    assert seen == [(int((b["labels"] != IGNORE_INDEX).sum()), 32)]
+    assert "forward" not in model.base_model.encoder.layer[-1].__dict__  # the layer is itself again
+
+
+def test_a_micro_batch_without_masked_tokens_keeps_every_parameter_in_the_graph() -> None:
+    model = tiny("bert").eval()
+    b = batch(4)
+    b["labels"][:] = IGNORE_INDEX
+    loss_sum, n, _ = MaskedLMLoss(model, last_layer_subset=True)(**b)
+    loss_sum.backward()
+    assert float(loss_sum.detach()) == 0.0 and int(n) == 0
+    assert all(p.grad is not None for p in model.parameters())  # DDP waits for every gradient
+
+
+@pytest.mark.parametrize("cfg, compile_, expected", [
+    (ModelConfig(), False, True),
+    (ModelConfig(last_layer_subset=False), False, False),
+    (ModelConfig(mlm_head="all"), False, False),
+    (ModelConfig(gradient_checkpointing=True), False, False),
+    (ModelConfig(), True, False),
+])
+def test_the_subset_runs_only_where_it_computes_the_same(cfg: ModelConfig, compile_: bool, expected: bool) -> None:
+    if compile_:
+        pytest.importorskip("torch._dynamo")
+    assert wrap_model(tiny("bert"), cfg, compile_, CPU).last_layer_subset is expected
+
+
+def test_a_model_without_a_bert_style_layer_falls_back() -> None:
+    model = tiny("distilbert")
+    assert "encoder.layer" in fast_paths.subset_unsupported(model)
+    assert not wrap_model(model, ModelConfig(), False, CPU).last_layer_subset
+
+
+@pytest.mark.parametrize("p", [0.1, 0.5, 0.9])
+def test_16bit_draws_keep_each_element_with_dropouts_probability_independently(p: float) -> None:
+    torch.manual_seed(0)
+    n = 4_000_003  # not a multiple of 4: the last 64-bit draw is cut
+    keep = fast_paths.keep_mask((n,), p, CPU)
+    expected = round((1 - p) * 2**16) / 2**16
+    assert abs(expected - (1 - p)) <= 2**-17
+    sigma = (expected * (1 - expected) / n) ** 0.5
+    assert abs(keep.float().mean().item() - expected) < 5 * sigma
+    # the four 16-bit values cut from one 64-bit draw, and neighbours across draws, are independent
+    k = keep[: n - n % 4].view(-1, 4).float()
+    for a, b in ((0, 1), (1, 2), (2, 3), (0, 3)):
+        both = (k[:, a] * k[:, b]).mean().item()
+        assert abs(both - expected**2) < 5 * (expected**2 * (1 - expected**2) / len(k)) ** 0.5
+    across = (k[:-1, 3] * k[1:, 0]).mean().item()
+    assert abs(across - expected**2) < 5 * (expected**2 * (1 - expected**2) / len(k)) ** 0.5
+
+
+def test_dropout16_scales_like_torch_and_replays_from_a_restored_generator() -> None:
+    x = torch.randn(64, 128, requires_grad=True)
+    state = torch.get_rng_state()
+    first = fast_paths.dropout16(x, 0.25)
+    kept = first != 0
+    torch.testing.assert_close(first[kept], x[kept] / 0.75)  # torch's 1/(1-p) scaling
+    first.sum().backward()
+    torch.testing.assert_close(x.grad, kept.float() / 0.75)  # the same mask in the backward
+    torch.set_rng_state(state)  # what a resumed run does: the same draws
+    assert torch.equal(fast_paths.dropout16(x, 0.25), first)
+    assert fast_paths.dropout16(x, 0.0) is x
+
+
+def test_16bit_draws_replace_every_dropout_and_the_attention_function() -> None:
+    model = tiny("bert").train()
+    wrapped = wrap_model(model, ModelConfig(dropout_draws="16bit"), False, CPU)
+    kinds = {type(m) for m in model.modules() if isinstance(m, torch.nn.Dropout)}
+    assert kinds == {fast_paths.Dropout16}
+    assert model.config._attn_implementation == fast_paths.ATTENTION_DROPOUT16
+    # dropout off (eval): the same loss as torch's kernels; on: a different draw, the same expectation
+    reference = tiny("bert").eval()
+    b = batch(5)
+    torch.testing.assert_close(wrapped.eval()(**b)[0], MaskedLMLoss(reference)(**b)[0], rtol=1e-5, atol=1e-5)
+    torch.manual_seed(1)
+    assert wrapped.train()(**b)[0] != MaskedLMLoss(reference.train())(**b)[0]
+    # and torch's kernels where asked
+    assert wrap_model(tiny("bert"), ModelConfig(dropout_draws="torch"), False, CPU).draws16 is False
