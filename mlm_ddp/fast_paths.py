@@ -94,8 +94,12 @@ def use_dropout16(model: torch.nn.Module) -> list[str]:
     done = [f"{len(swapped)} dropout modules"] if swapped else []
     if attention_interface_ready(model):
         from transformers import AttentionInterface
+        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
         AttentionInterface.register(ATTENTION_DROPOUT16, attention_dropout16)
+        # and sdpa's masks (bool, True: attend): a name without a mask function gets no mask at all,
+        # so padding would be attended
+        AttentionMaskInterface.register(ATTENTION_DROPOUT16, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
         model.set_attn_implementation(ATTENTION_DROPOUT16)
         done.append("attention dropout")
     return done

@@ -252,9 +252,11 @@ def describe(cfg: Config, checked: Checked, accelerator: Accelerator, precision:
                 torch.get_num_threads())
     logger.info("data: %s; %d optimizer steps", data.note, data.total_steps)
     wrapper = accelerator.unwrap_model(model)
-    logger.info("model: %s, %.1fM parameters; MLM head on %s positions; attention %s; AdamW %s; torch.compile %s",
+    logger.info("model: %s, %.1fM parameters; MLM head on %s positions; last layer on %s positions; attention "
+                "%s; dropout %s; AdamW %s; torch.compile %s",
                 type(wrapper.model).__name__, n_params / 1e6, "masked" if wrapper.masked_only else "all",
-                wrapper.model.config._attn_implementation, training.optimizer_impl,
+                "masked" if wrapper.last_layer_subset else "all", wrapper.model.config._attn_implementation,
+                "16-bit draws" if wrapper.draws16 else "torch's", training.optimizer_impl,
                 "on" if training.torch_compile else "off")
 
 

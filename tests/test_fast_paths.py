@@ -58,6 +58,21 @@ def test_last_layer_on_masked_positions_gives_the_full_loss_and_gradients(kind: 
     assert "forward" not in model.base_model.encoder.layer[-1].__dict__  # the layer is itself again
 
 
+@pytest.mark.parametrize("cfg", [ModelConfig(), ModelConfig(dropout_draws="16bit"),
+                                 ModelConfig(dropout_draws="16bit", last_layer_subset=False)])
+@pytest.mark.parametrize("mode", ["eval", "train"])
+def test_padding_stays_invisible_on_every_fast_path(cfg: ModelConfig, mode: str) -> None:
+    # what the padded positions hold must not change any loss: they are masked out of every attention
+    net = getattr(wrap_model(tiny("bert"), cfg, False, CPU), mode)()
+    b = batch(5)
+    other = dict(b, input_ids=torch.where(b["attention_mask"].bool(), b["input_ids"], 7))
+    losses = []
+    for inputs in (b, other):
+        torch.manual_seed(0)  # train mode: the same dropout draws for both
+        losses.append(net(**inputs)[0])
+    assert torch.equal(losses[0], losses[1])
+
+
 def test_a_micro_batch_without_masked_tokens_keeps_every_parameter_in_the_graph() -> None:
     model = tiny("bert").eval()
     b = batch(4)
