@@ -16,6 +16,7 @@ A benchmark, not a test: nothing here asserts a speed.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import math
@@ -24,7 +25,8 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -102,6 +104,8 @@ class Recipe:
     times: list[float]
     masked: int = 0
     tokens: int = 0
+    peak_memory: int | None = None  # bytes: peak RSS during its steps (CPU), peak allocated (GPU)
+    curve: list[tuple[float, float]] = field(default_factory=list)  # (training seconds, held-out perplexity)
     last_layer_subset: bool = False  # (b)'s last layer ran on the masked positions only
 
 
@@ -226,6 +230,7 @@ def bench(cfg: BenchConfig) -> dict[str, Any]:
     steps_done += cfg.warmup
     for _ in range(cfg.repeats):
         for recipe in (hf, ours):
+            reset_peak_memory(device)
             synchronize(device)
             t = time.perf_counter()
             for i in range(cfg.steps):
@@ -233,6 +238,10 @@ def bench(cfg: BenchConfig) -> dict[str, Any]:
             synchronize(device)
             recipe.times.append(time.perf_counter() - t)
             recipe.tokens += cfg.steps * cfg.batch * cfg.seq
+            recipe.peak_memory = max_known(recipe.peak_memory, peak_memory(device))
+            # untimed: the held-out perplexity after this repeat, for the time-to-quality
+            recipe.curve.append((sum(recipe.times), perplexity(recipe.transformers_model, held_out, eval_collator,
+                                                               cfg.batch, accelerator)))
         steps_done += cfg.steps
 
     peak = measure_peak(accelerator)
@@ -244,6 +253,7 @@ def bench(cfg: BenchConfig) -> dict[str, Any]:
         "torch": torch.__version__, "config": asdict(cfg), "model": resolve_model_path(model_cfg),
         "model_type": model_config.model_type, "trained_tokens": steps_done * cfg.batch * cfg.seq,
         "peak_tflops": peak / 1e12, "perplexity_start": ppl_start,
+        "memory": "peak allocated" if cuda else "peak RSS of the process during its steps",
     }
     for key, recipe in (("hf", hf), ("mlm_ddp", ours)):
         rates = [cfg.steps * cfg.batch * cfg.seq / t for t in recipe.times]
@@ -254,9 +264,10 @@ def bench(cfg: BenchConfig) -> dict[str, Any]:
         result[key] = {
             "tokens_per_s": median, "tokens_per_s_min": min(rates), "tokens_per_s_max": max(rates),
             "flops_per_token": flops, "tflops": median * flops / 1e12, "mfu": median * flops / peak,
-            "perplexity": perplexity(recipe.transformers_model, held_out, eval_collator, cfg.batch, accelerator),
+            "perplexity": recipe.curve[-1][1], "peak_memory_bytes": recipe.peak_memory,
         }
     result["ratio"] = result["mlm_ddp"]["tokens_per_s"] / result["hf"]["tokens_per_s"]
+    result["time_to_quality"] = time_to_quality(hf.curve, ours.curve)
     step_s = cfg.batch * cfg.seq / result["mlm_ddp"]["tokens_per_s"]
     result["heartbeat"] = {"us_per_beat": beat_s * 1e6, "beats_per_step": heartbeat.BEATS_PER_STEP,
                            "share_of_step": beat_s * heartbeat.BEATS_PER_STEP / step_s}
@@ -264,6 +275,41 @@ def bench(cfg: BenchConfig) -> dict[str, Any]:
     if cfg.profile:
         result["profile"] = profile_table(ours, batch_at(steps_done), device)
     return result
+
+
+def time_to_quality(reference: list[tuple[float, float]], candidate: list[tuple[float, float]]) -> dict[str, Any]:
+    """Training seconds (a) takes to its final perplexity, and (b) to reach it (evaluated after each
+    repeat, so a step resolution of --steps); their ratio, None where (b) never reaches it."""
+    target, seconds_a = reference[-1][1], reference[-1][0]
+    seconds_b = next((t for t, ppl in candidate if ppl <= target), None)
+    return {"target_perplexity": target, "hf_s": seconds_a, "mlm_ddp_s": seconds_b,
+            "ratio": seconds_a / seconds_b if seconds_b else None}
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    """Start a new high-water mark: CUDA's allocator statistics, or the kernel's peak RSS of this process
+    (Linux: writing 5 to /proc/self/clear_refs resets VmHWM); elsewhere nothing to reset."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    else:
+        with contextlib.suppress(OSError):
+            Path("/proc/self/clear_refs").write_text("5")
+
+
+def peak_memory(device: torch.device) -> int | None:
+    """Bytes: peak allocated on the GPU, or the process's peak RSS since the last reset (None where
+    /proc is not there: the number would be the whole run's, not the recipe's)."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    try:
+        status = Path("/proc/self/status").read_text()
+    except OSError:
+        return None
+    return next((int(line.split()[1]) * 1024 for line in status.splitlines() if line.startswith("VmHWM:")), None)
+
+
+def max_known(a: int | None, b: int | None) -> int | None:
+    return max((x for x in (a, b) if x is not None), default=None)
 
 
 def profile_table(recipe: Recipe, blocks: list[dict], device: torch.device, steps: int = 2) -> str:
@@ -280,26 +326,33 @@ def profile_table(recipe: Recipe, blocks: list[dict], device: torch.device, step
 
 
 def format_table(result: dict[str, Any]) -> str:
-    cfg = result["config"]
+    cfg, memory_name = result["config"], result["memory"]
     lines = [
         f"mlm_ddp.bench: {result['model_type']} {result['model']}, {cfg['precision']}, seq {cfg['seq']}, "
         f"batch {cfg['batch']}, {cfg['repeats']} x {cfg['steps']} timed steps per recipe after {cfg['warmup']} "
         f"warm-up, on {result['device']}, torch {result['torch']}",
         "",
         f"| recipe | tokens/s (median) | spread (min-max) | training MFLOP/token | TFLOP/s | MFU | "
-        f"held-out perplexity after {result['trained_tokens']} tokens |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        f"held-out perplexity after {result['trained_tokens']} tokens | {memory_name} |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for key, name in (("hf", "(a) transformers recipe"), ("mlm_ddp", "(b) mlm_ddp")):
         r = result[key]
+        memory = "n/a" if r["peak_memory_bytes"] is None else f"{r['peak_memory_bytes'] / 2**30:.2f} GiB"
         lines.append(
             f"| {name} | {r['tokens_per_s']:,.0f} | {r['tokens_per_s_min']:,.0f}-{r['tokens_per_s_max']:,.0f} | "
-            f"{r['flops_per_token'] / 1e6:.1f} | {r['tflops']:.3f} | {r['mfu']:.1%} | {r['perplexity']:.2f} |"
+            f"{r['flops_per_token'] / 1e6:.1f} | {r['tflops']:.3f} | {r['mfu']:.1%} | {r['perplexity']:.2f} | "
+            f"{memory} |"
         )
+    ttq = result["time_to_quality"]
+    reached = (f"(b) reaches it after {ttq['mlm_ddp_s']:.1f} s: {ttq['ratio']:.2f}x" if ttq["ratio"] else
+               "(b) does not reach it within the bench's steps")
     lines += [
         "",
         f"ratio (b)/(a): {result['ratio']:.2f}x tokens/s; perplexity (b)/(a): {result['perplexity_ratio']:.4f} "
         f"(both started at {result['perplexity_start']:.1f})",
+        f"time to quality: (a) reaches perplexity {ttq['target_perplexity']:.2f} after {ttq['hf_s']:.1f} s of "
+        f"training; {reached} (evaluated every {cfg['steps']} steps, at the same learning rate)",
         f"peak: {result['peak_tflops']:.3f} TFLOP/s ({cfg['precision']} matmul, measured in this run); MFU counts "
         "the matmul FLOPs each recipe computes, so (b) does fewer FLOPs per token for the same loss",
         f"heartbeat (hang localisation): {result['heartbeat']['beats_per_step']} beats per step x "

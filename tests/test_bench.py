@@ -42,6 +42,11 @@ def test_bench_runs_both_recipes_and_prints_one_json_line(tiny_model: Path, caps
     for key in ("hf", "mlm_ddp"):
         r = result[key]
         assert r["tokens_per_s"] > 0 and 0 < r["mfu"] and r["perplexity"] > 1
+        assert r["peak_memory_bytes"] > 50 * 2**20  # at least torch and the two models: a real RSS
+    ttq = result["time_to_quality"]
+    assert ttq["target_perplexity"] == result["hf"]["perplexity"] and ttq["hf_s"] > 0
+    assert ttq["ratio"] is None or ttq["ratio"] == pytest.approx(ttq["hf_s"] / ttq["mlm_ddp_s"])
+    assert "time to quality: (a) reaches perplexity" in out
     # the masked-only head computes a fraction of the head's FLOPs
     config = AutoConfig.from_pretrained(tiny_model)
     assert result["hf"]["flops_per_token"] == training_flops_per_token(config, 32, 1.0)
