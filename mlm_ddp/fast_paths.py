@@ -106,20 +106,26 @@ def use_dropout16(model: torch.nn.Module) -> list[str]:
 
 
 def attention_interface_ready(model: torch.nn.Module) -> bool:
-    """Whether the model looks its attention function up by name (transformers >= 4.48 models that
-    support it) and runs sdpa now: the only case the registered function replaces."""
+    """Whether the model looks its attention function up by name (transformers 5 models that support
+    it) and runs sdpa now: the only case the registered function replaces."""
     config = getattr(model, "config", None)
-    return (getattr(model, "_supports_attention_backend", False) and hasattr(model, "set_attn_implementation")
-            and getattr(config, "_attn_implementation", None) == "sdpa")
+    return (transformers_major() >= 5 and getattr(model, "_supports_attention_backend", False)
+            and hasattr(model, "set_attn_implementation") and getattr(config, "_attn_implementation", None) == "sdpa")
+
+
+def transformers_major() -> int:
+    """The installed transformers' major version: the fast paths are built on 5.x's layer and
+    attention-function interfaces (4.x models run torch's dropout and the full last layer)."""
+    import transformers
+
+    return int(transformers.__version__.split(".")[0])
 
 
 def subset_unsupported(model: Any) -> str | None:
     """Why `last_layer_subset` cannot run on this transformers model, or None when it can: it needs a
     BERT-style last layer (attention.self.{query,key,value}, attention.output, intermediate, output)
     with absolute positions and no cross-attention."""
-    import transformers
-
-    if int(transformers.__version__.split(".")[0]) < 5:
+    if transformers_major() < 5:
         return "transformers < 5 layers return tuples"  # the encoder would read row 0 of the (N, H) output
     base = getattr(model, "base_model", None)
     layers = getattr(getattr(base, "encoder", None), "layer", None)

@@ -58,19 +58,44 @@ def test_last_layer_on_masked_positions_gives_the_full_loss_and_gradients(kind: 
     assert "forward" not in model.base_model.encoder.layer[-1].__dict__  # the layer is itself again
 
 
-@pytest.mark.parametrize("cfg", [ModelConfig(), ModelConfig(dropout_draws="16bit"),
-                                 ModelConfig(dropout_draws="16bit", last_layer_subset=False)])
-@pytest.mark.parametrize("mode", ["eval", "train"])
-def test_padding_stays_invisible_on_every_fast_path(cfg: ModelConfig, mode: str) -> None:
-    # what the padded positions hold must not change any loss: they are masked out of every attention
-    net = getattr(wrap_model(tiny("bert"), cfg, False, CPU), mode)()
+def family(kind: str) -> torch.nn.Module:
+    """test_model's tiny models, and two families next door whose attention goes through the same
+    transformers attention function (neither has a single head module, so no last-layer subset)."""
+    if kind in ("bert", "roberta", "distilbert"):
+        return tiny(kind)
+    import transformers as T
+
+    small = dict(vocab_size=500, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+                 max_position_embeddings=80)
+    config = T.ElectraConfig(**small) if kind == "electra" else T.ModernBertConfig(
+        **small, pad_token_id=0, bos_token_id=1, eos_token_id=2, cls_token_id=1, sep_token_id=2)
+    torch.manual_seed(0)
+    return T.AutoModelForMaskedLM.from_config(config, attn_implementation="sdpa")
+
+
+def padded_positions_change_nothing(net: MaskedLMLoss) -> bool:
+    """Whether what the padded positions hold changes the loss (train mode: the same dropout draws)."""
     b = batch(5)
     other = dict(b, input_ids=torch.where(b["attention_mask"].bool(), b["input_ids"], 7))
     losses = []
     for inputs in (b, other):
-        torch.manual_seed(0)  # train mode: the same dropout draws for both
+        torch.manual_seed(0)
         losses.append(net(**inputs)[0])
-    assert torch.equal(losses[0], losses[1])
+    return torch.equal(losses[0], losses[1])
+
+
+@pytest.mark.parametrize("cfg", [ModelConfig(), ModelConfig(dropout_draws="16bit"),
+                                 ModelConfig(dropout_draws="16bit", last_layer_subset=False)])
+@pytest.mark.parametrize("mode", ["eval", "train"])
+def test_padding_stays_invisible_on_every_fast_path(cfg: ModelConfig, mode: str) -> None:
+    # padded positions are masked out of every attention, the subset layer's included
+    assert padded_positions_change_nothing(getattr(wrap_model(tiny("bert"), cfg, False, CPU), mode)())
+
+
+@pytest.mark.parametrize("kind", ["roberta", "distilbert", "electra", "modernbert"])
+def test_padding_stays_invisible_in_the_families_next_door(kind: str) -> None:
+    net = wrap_model(family(kind), ModelConfig(dropout_draws="16bit"), False, CPU).train()
+    assert padded_positions_change_nothing(net)
 
 
 def test_a_micro_batch_without_masked_tokens_keeps_every_parameter_in_the_graph() -> None:
