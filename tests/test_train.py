@@ -44,9 +44,10 @@ def test_launch_writes_every_output(launched_run) -> None:
         assert {"epoch", "loss", "lr", "tokens_per_s", "tokens_seen"} <= set(r)
         assert r["tokens_per_s"] > 0
     assert train_records[-1]["tokens_seen"] == 6 * 8 * 32  # blocks are full: no padding counted
-    # MFU = tokens/s x FLOPs per token / the given peak, the head on the masked share of the tokens
+    # MFU = tokens/s x FLOPs per token / the given peak, the head and the last layer (but its keys and
+    # values) on the masked share of the tokens
     config = BertConfig.from_pretrained(out / "final")
-    fewest, most = (training_flops_per_token(config, 32, share) for share in (0.05, 0.3))
+    fewest, most = (training_flops_per_token(config, 32, share, share) for share in (0.05, 0.3))
     for r in train_records:
         assert fewest <= r["mfu"] * TINY_PEAK_TFLOPS * 1e12 / r["tokens_per_s"] <= most, r
     evals = [r for r in records if "eval_loss" in r]
