@@ -16,7 +16,6 @@ A benchmark, not a test: nothing here asserts a speed.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import json
 import math
@@ -230,7 +229,7 @@ def bench(cfg: BenchConfig) -> dict[str, Any]:
     steps_done += cfg.warmup
     for _ in range(cfg.repeats):
         for recipe in (hf, ours):
-            reset_peak_memory(device)
+            was_reset = reset_peak_memory(device)
             synchronize(device)
             t = time.perf_counter()
             for i in range(cfg.steps):
@@ -238,7 +237,7 @@ def bench(cfg: BenchConfig) -> dict[str, Any]:
             synchronize(device)
             recipe.times.append(time.perf_counter() - t)
             recipe.tokens += cfg.steps * cfg.batch * cfg.seq
-            recipe.peak_memory = max_known(recipe.peak_memory, peak_memory(device))
+            recipe.peak_memory = max_known(recipe.peak_memory, peak_memory(device, was_reset))
             # untimed: the held-out perplexity after this repeat, for the time-to-quality
             recipe.curve.append((sum(recipe.times), perplexity(recipe.transformers_model, held_out, eval_collator,
                                                                cfg.batch, accelerator)))
@@ -286,25 +285,27 @@ def time_to_quality(reference: list[tuple[float, float]], candidate: list[tuple[
             "ratio": seconds_a / seconds_b if seconds_b else None}
 
 
-def reset_peak_memory(device: torch.device) -> None:
+def reset_peak_memory(device: torch.device) -> bool:
     """Start a new high-water mark: CUDA's allocator statistics, or the kernel's peak RSS of this process
-    (Linux: writing 5 to /proc/self/clear_refs resets VmHWM); elsewhere nothing to reset."""
+    (Linux: writing 5 to /proc/self/clear_refs resets VmHWM). False where it cannot be reset."""
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    else:
-        with contextlib.suppress(OSError):
-            Path("/proc/self/clear_refs").write_text("5")
+        return True
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        return False
+    return True
 
 
-def peak_memory(device: torch.device) -> int | None:
-    """Bytes: peak allocated on the GPU, or the process's peak RSS since the last reset (None where
-    /proc is not there: the number would be the whole run's, not the recipe's)."""
+def peak_memory(device: torch.device, was_reset: bool) -> int | None:
+    """Bytes: peak allocated on the GPU, or the process's peak RSS since the reset; None without a reset
+    (the number would be the whole run's, not the recipe's)."""
+    if not was_reset:
+        return None
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
-    try:
-        status = Path("/proc/self/status").read_text()
-    except OSError:
-        return None
+    status = Path("/proc/self/status").read_text()
     return next((int(line.split()[1]) * 1024 for line in status.splitlines() if line.startswith("VmHWM:")), None)
 
 
