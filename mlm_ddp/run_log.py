@@ -223,17 +223,22 @@ class RunLog:
         self.since_log = StepSums.zeros(self.accelerator.device)
         self.run_masked, self.run_tokens = self.run_masked + masked, self.run_tokens + tokens
         shown = {"loss": f"{record['loss']:.4f}", "tok_s": f"{record['tokens_per_s']:.0f}"}
-        if self.usage is not None:
-            record["mfu"] = self.usage.mfu(record["tokens_per_s"] / self.accelerator.num_processes, masked, tokens)
-            shown["mfu"] = f"{record['mfu']:.1%}"
+        mfu = self._mfu(record["tokens_per_s"], masked, tokens)
+        if mfu is not None:
+            record["mfu"] = mfu
+            shown["mfu"] = f"{mfu:.1%}"
         self.progress.set_postfix(shown)
         return record
 
     def run_mfu(self, tokens_per_s: float) -> float | None:
         """The MFU of a whole run that trained `tokens_per_s` (all ranks)."""
+        return self._mfu(tokens_per_s, self.run_masked, self.run_tokens)
+
+    def _mfu(self, tokens_per_s: float, masked: float, tokens: float) -> float | None:
+        """MFU of all ranks' `tokens_per_s` (each device trains its share); None where not counted."""
         if self.usage is None:
             return None
-        return self.usage.mfu(tokens_per_s / self.accelerator.num_processes, self.run_masked, self.run_tokens)
+        return self.usage.mfu(tokens_per_s / self.accelerator.num_processes, masked, tokens)
 
     def write(self, record: dict[str, Any], with_tokens: bool = True) -> None:
         """Append `record` (if any) to metrics.jsonl and the trackers, with the tokens seen so far (a
