@@ -258,6 +258,8 @@ def loss_sums(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor
     """
     logits = logits.float()
     loss_sum = F.cross_entropy(logits, targets, reduction="sum")
+    # a sum over thousands of tokens: in bf16 it would be rounded (8 bits of mantissa), in fp16 it overflows
+    assert loss_sum.dtype == torch.float32, loss_sum.dtype
     correct = (logits.argmax(dim=-1) == targets).sum()
     return loss_sum, torch.tensor(targets.numel(), device=targets.device), correct
 
@@ -394,6 +396,7 @@ def prepare_for_training(accelerator: Any, transformers_model: PreTrainedModel, 
                          training: TrainingConfig, total_steps: int) -> tuple[Any, torch.optim.Optimizer, Any, int]:
     """The model in its loss wrapper, its optimizer and scheduler, prepared; and the parameter count."""
     model = wrap_model(transformers_model, model_cfg, training.torch_compile, accelerator.device)
+    materialize_meta(model)  # before the optimizer takes the parameters
     optimizer = build_optimizer(model, training)
     # the scheduler is stepped by us once per optimizer step: not prepared, saved as JSON
     scheduler = get_scheduler(training.lr_scheduler_type, optimizer, num_warmup_steps=training.num_warmup_steps,
@@ -402,6 +405,57 @@ def prepare_for_training(accelerator: Any, transformers_model: PreTrainedModel, 
     n_params = sum(p.numel() for p in model.model.parameters())  # before FSDP leaves each rank its shard
     if sharded(accelerator):
         configure_fsdp_units(accelerator.state.fsdp_plugin, model_cfg.fsdp_wrap_classes, model.model)
+        check_distinct_storage(model)
     model, optimizer = accelerator.prepare(model, optimizer)
     check_tied(accelerator.unwrap_model(model).model, ties)
+    check_optimizer_holds_each_parameter_once(model, optimizer)
     return model, optimizer, scheduler, n_params
+
+
+def materialize_meta(model: torch.nn.Module) -> list[str]:
+    """Give every parameter left on the meta device an (uninitialised) CPU tensor; returns their names.
+
+    Under FSDP's CPU-RAM-efficient loading, transformers loads the checkpoint on rank 0 only and leaves
+    the weights the checkpoint lacks (a fresh MLM head) on the meta device on every other rank. accelerate
+    then maps the optimizer's parameters to the sharded ones by `data_ptr()`, which is 0 for every meta
+    tensor: on those ranks the fresh head's parameters all became one, so the optimizer updated that one
+    several times and the others never (the loss left DDP's at the first update), and its state dict
+    failed at the first checkpoint. The values do not matter: rank 0's are broadcast when the model is
+    sharded. Tied parameters stay one tensor.
+    """
+    made: dict[int, torch.nn.Parameter] = {}
+    names = []
+    for module_name, module in model.named_modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            if not param.is_meta:
+                continue
+            if id(param) not in made:
+                made[id(param)] = torch.nn.Parameter(torch.empty_like(param, device="cpu"),
+                                                     requires_grad=param.requires_grad)
+                names.append(f"{module_name}.{name}".lstrip("."))
+            setattr(module, name, made[id(param)])
+    return names
+
+
+def check_distinct_storage(model: torch.nn.Module) -> None:
+    """Refuse two parameters that are different tensors at one address: accelerate's FSDP2 prepare
+    tells parameters apart by `data_ptr()`, and would hand the optimizer one of them twice."""
+    seen: dict[int, str] = {}
+    for name, param in model.named_parameters():
+        address = param.data_ptr()
+        if address in seen:
+            raise RuntimeError(f"parameters {seen[address]} and {name} share the address {address:#x} without "
+                               "being one tensor: FSDP would train one of them twice and the other never")
+        seen[address] = name
+
+
+def check_optimizer_holds_each_parameter_once(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """After prepare: the optimizer updates exactly the model's trainable parameters, each once."""
+    held = [p for group in optimizer.param_groups for p in group["params"]]
+    trainable = {id(p) for p in model.parameters() if p.requires_grad}
+    if len(held) != len({id(p) for p in held}) or {id(p) for p in held} != trainable:
+        names = {id(p): n for n, p in model.named_parameters()}
+        twice = sorted({names.get(id(p), "?") for p in held if sum(q is p for q in held) > 1})
+        never = sorted(names[i] for i in trainable - {id(p) for p in held})
+        raise RuntimeError(f"the prepared optimizer does not hold each trainable parameter once (twice: "
+                           f"{', '.join(twice) or '-'}; never: {', '.join(never) or '-'})")
