@@ -82,7 +82,7 @@ def build_cases(tiny_model: Path, root: Path) -> list[Case]:
             "--validation_split_percentage", "0", "--max_seq_length", str(SEQ),
             "--per_device_train_batch_size", str(batch), "--gradient_accumulation_steps", str(accumulation),
             "--learning_rate", "1e-3", "--num_warmup_steps", "0", "--logging_steps", "1", "--report", "false",
-            "--cpu_threads", "1", *extra,
+            "--cpu_threads", "1", "--mixed_precision", "no", *extra,
         ], out
 
     def map_cases(prefix: str, procs: int, path: Path, batch: int, per_epoch: int) -> None:
