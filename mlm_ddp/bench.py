@@ -193,12 +193,14 @@ def bench(cfg: BenchConfig) -> dict[str, Any]:
     tokenizer = load_tokenizer(model_cfg)
     model_config = load_model_config(model_cfg, tokenizer)
     cuda = torch.cuda.is_available()
+    if cfg.precision == "fp16" and not cuda:
+        raise BadInput("--precision fp16 needs a CUDA GPU (on a CPU accelerate would run fp32): use bf16 or fp32")
     accelerator = Accelerator(cpu=not cuda, mixed_precision=PRECISIONS[cfg.precision])
     device = accelerator.device
     if device.type == "cpu":
         torch.set_num_threads(distributed.usable_cores())
-        if cfg.precision == "bf16" and distributed.resolve_precision("auto", cuda=False) != "bf16":
-            print("note: this CPU has no native bf16 (AVX512/AMX): bf16 matmuls are emulated, slower than fp32; "
+        if cfg.precision == "bf16" and not distributed.cpu_computes_bf16():
+            print("note: this CPU has no native bf16 (AVX512-BF16/AMX): bf16 matmuls are emulated, slower than fp32; "
                   "mlm_ddp's --mixed_precision auto trains in fp32 here", file=sys.stderr)
 
     packed = mdata.tokenize_and_pack(mdata.embedded_corpus(), tokenizer, cfg.seq)["input_ids"]

@@ -260,9 +260,11 @@ class TrainingConfig:
     )
     gradient_accumulation_steps: int = _doc("Micro-batches per optimizer step.", default=1)
     mixed_precision: Literal["auto", "no", "fp16", "bf16"] = _doc(
-        "Mixed precision, passed to Accelerator(...) explicitly (an accelerate YAML does not override it). "
-        "'auto': bf16 on GPUs that support it and on CPUs with native bf16 (AVX512/AMX), else 'no' "
-        "(on an AVX2-only CPU bf16 is emulated and several times slower than fp32).",
+        "Mixed precision, passed to Accelerator(...) explicitly. 'auto': what `accelerate launch` was given "
+        "(--mixed_precision, its config file), else chosen for the device the run uses, native only: bf16 on "
+        "GPUs of compute capability 8.0+ and on CPUs with AVX512-BF16 or AMX, fp16 with a gradient scaler on "
+        "capability 7.x (V100, T4), else 'no' (fp32). A value here that disagrees with the launcher's stops the "
+        "run. fp16 needs a GPU. Under FSDP the loss sums and gradient reductions stay fp32.",
         default="auto",
     )
     optimizer_impl: Literal["fused", "foreach", "for-loop"] = _doc(

@@ -101,11 +101,16 @@ def detect(env: Mapping[str, str] | None = None, cuda_devices: int | None = None
     """The topology of this process. Pure in (env, cuda_devices) apart from `scontrol` for a Slurm
     master address that nobody exported."""
     env = os.environ if env is None else env
-    if cuda_devices is None:
+    reasons: list[str] = []
+    if forced_cpu(env):
+        # accelerate runs on the CPU whatever GPUs are visible: so does everything mlm_ddp decides
+        # (device, backend, precision)
+        cuda_devices = 0
+        reasons.append("ACCELERATE_USE_CPU is set (--cpu, use_cpu: true): the CPU, whatever GPUs are visible")
+    elif cuda_devices is None:
         import torch
 
         cuda_devices = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    reasons: list[str] = []
 
     if "RANK" in env and "WORLD_SIZE" in env:
         # torchrun (which accelerate launch runs) exports these per process; inside an sbatch job
@@ -155,6 +160,11 @@ def detect(env: Mapping[str, str] | None = None, cuda_devices: int | None = None
                     cuda_devices=cuda_devices, reasons=tuple(reasons), job_id=env.get("SLURM_JOB_ID") or None)
 
 
+def forced_cpu(env: Mapping[str, str]) -> bool:
+    """accelerate's ACCELERATE_USE_CPU (`accelerate launch --cpu`, `use_cpu: true`), read as accelerate reads it."""
+    return env.get("ACCELERATE_USE_CPU", "").strip().lower() in ("1", "true", "yes", "y", "on")
+
+
 def requeue(topo: Topology) -> None:
     """Put this process's Slurm job back in the queue (`scontrol requeue`); the requeued job starts the
     same tasks again. Call it on one process (rank 0): it requeues the whole job."""
@@ -198,22 +208,20 @@ def fsdp_plugin_from_launcher(env: Mapping[str, str] | None = None) -> Any:
     return FullyShardedDataParallelPlugin()  # reads the FSDP_* variables, as Accelerator() would
 
 
-def keep_fsdp_on_cpu(accelerator: Any, plugin: Any, precision: str) -> bool:
+def keep_fsdp_on_cpu(accelerator: Any, plugin: Any) -> bool:
     """Run FSDP on CPU processes (gloo) where accelerate would silently run DDP instead.
 
     accelerate 1.15's AcceleratorState turns FSDP on only for GPU-like distributed types (MULTI_GPU,
     MULTI_NPU, ...); a CPU group is MULTI_CPU, so the plugin is dropped and `prepare` wraps the model in
     DDP. FSDP2 itself runs on gloo: set the state accelerate would have set for a GPU (its
-    distributed type and plugin, and the plugin's precision) before anything is prepared. Returns
-    whether it did. FSDP1 needs a GPU: `check_fsdp_plugin` refuses it first.
+    distributed type and plugin, which carries `fsdp2_policy` already) before anything is prepared.
+    Returns whether it did. FSDP1 needs a GPU: `check_fsdp_plugin` refuses it first.
     """
     from accelerate.state import PartialState
     from accelerate.utils import DistributedType
 
     if plugin is None or accelerator.distributed_type != DistributedType.MULTI_CPU:
         return False
-    if precision != "no":
-        plugin.set_mixed_precision(precision)
     accelerator.state.fsdp_plugin = plugin
     # both states, as AcceleratorState.__init__ does: every later AcceleratorState() copies PartialState's
     accelerator.state.distributed_type = DistributedType.FSDP
@@ -276,17 +284,18 @@ class MainProcessWait:
         return votes.item() > 0
 
 
-def start_accelerator(topo: Topology, fsdp_plugin: Any, training: Any, ddp_timeout: int, trackers: list[str],
-                      project_dir: str) -> tuple[Any, str]:
-    """The Accelerator of this process (the process group forms here) and its precision, with the
-    training settings of the mlm_ddp config whatever the launcher."""
+def start_accelerator(topo: Topology, fsdp_plugin: Any, training: Any, precision: str, ddp_timeout: int,
+                      trackers: list[str], project_dir: str) -> Any:
+    """The Accelerator of this process (the process group forms here), with the training settings of
+    the mlm_ddp config whatever the launcher, and `precision` (`choose_precision`'s)."""
     from accelerate import Accelerator
     from accelerate.logging import get_logger
     from accelerate.utils import GradientAccumulationPlugin, InitProcessGroupKwargs
 
     logger = get_logger(__name__)
     export_for_accelerate(topo)
-    precision = resolve_precision(training.mixed_precision, cuda=bool(topo.cuda_devices))
+    if fsdp_plugin is not None and fsdp_plugin.fsdp_version == 2:
+        fsdp_plugin.mixed_precision_policy = fsdp2_policy(precision)  # accelerate keeps a policy it is given
     accelerator = Accelerator(
         fsdp_plugin=fsdp_plugin,
         cpu=not topo.cuda_devices,  # else a CPU process started by torchrun or srun trains alone
@@ -298,16 +307,11 @@ def start_accelerator(topo: Topology, fsdp_plugin: Any, training: Any, ddp_timeo
         log_with=trackers or None,
         project_dir=project_dir,
     )
-    if keep_fsdp_on_cpu(accelerator, fsdp_plugin, precision):
+    if keep_fsdp_on_cpu(accelerator, fsdp_plugin):
         logger.info("FSDP on CPU processes: the accelerate config asks for FSDP, which accelerate would run as "
                     "DDP on a CPU; mlm_ddp keeps its FSDP2 plugin (gloo)")
     check_accelerator(topo, accelerator.num_processes, str(accelerator.distributed_type))
-    asked = launcher_precision()
-    if asked is not None and asked != precision:
-        logger.warning("the accelerate config asks for mixed precision %s; mlm_ddp trains with "
-                       "--mixed_precision %s (training choices come from the mlm_ddp config: pass "
-                       "--mixed_precision %s to use it)", asked, precision, asked)
-    return accelerator, precision
+    return accelerator
 
 
 def sharded(accelerator: Any) -> bool:
@@ -345,27 +349,154 @@ def patient_main_process_first(accelerator: Any, timeout_s: int) -> Iterator[Non
     wait.close()
 
 
-def launcher_precision(env: Mapping[str, str] | None = None) -> str | None:
-    """Mixed precision an accelerate config or launch flag asked for ("no" counts as not asking).
+PRECISIONS = ("no", "fp16", "bf16")
+# where accelerate launch takes its precision from when it was not given one on its command line
+LAUNCHER_SOURCE = "accelerate launch (its --mixed_precision, --config_file or `accelerate config` file)"
 
-    Accelerator(mixed_precision=...) from our config overrides it, so a disagreement deserves a
-    warning rather than a silent choice.
+
+def launcher_precision(env: Mapping[str, str] | None = None,
+                       launch_argv: list[str] | None = None) -> tuple[str, str] | None:
+    """(precision, where it was said) that `accelerate launch` was given, or None when it was given none.
+
+    accelerate launch exports ACCELERATE_MIXED_PRECISION to its processes, and exports "no" also when
+    nothing was said: "no" counts only when the launch command (`launch_argv`, by default the parent
+    process's command line) or the config file it read says so.
     """
     value = (os.environ if env is None else env).get("ACCELERATE_MIXED_PRECISION")
-    return None if value in (None, "", "no") else value
+    if not value:
+        return None
+    if value != "no":
+        return value, LAUNCHER_SOURCE
+    argv = parent_command_line() if launch_argv is None else launch_argv
+    said = said_no(argv)
+    return ("no", said) if said else None
 
 
-def resolve_precision(requested: str, cuda: bool) -> str:
-    """--mixed_precision with 'auto' made concrete: bf16 where the hardware computes it natively."""
-    if requested != "auto":
-        return requested
+def parent_command_line() -> list[str]:
+    """The command line of the process that started this one (accelerate launch, or torchrun inside it)."""
+    try:
+        with open(f"/proc/{os.getppid()}/cmdline", "rb") as handle:
+            return [part.decode(errors="replace") for part in handle.read().split(b"\0") if part]
+    except OSError:  # not Linux: only an explicit bf16/fp16 is seen
+        return []
+
+
+def said_no(argv: list[str]) -> str | None:
+    """Where an accelerate launch command line `argv` says mixed_precision "no": its flag, its
+    --config_file, or the default config file of `accelerate config`; None if it does not."""
+    import yaml
+
+    starts = [i for i, part in enumerate(argv) if part == "launch" or part.endswith("accelerate.commands.launch")]
+    if not starts:
+        return None
+    from accelerate.commands.launch import launch_command_parser
+
+    try:  # accelerate's own parser: the training script's flags (ours) come after its script or -m module
+        launch, _ = launch_command_parser().parse_known_args(argv[starts[0] + 1:])
+    except SystemExit:
+        return None
+    if launch.mixed_precision == "no":
+        return "accelerate launch --mixed_precision no"
+    config = launch.config_file
+    if config is None:
+        from accelerate.commands.config import default_config_file
+
+        config = default_config_file
+    try:
+        with open(config) as handle:
+            loaded = yaml.safe_load(handle) or {}
+    except (OSError, yaml.YAMLError):
+        return None
+    return f"mixed_precision: no in {config}" if isinstance(loaded, dict) and loaded.get("mixed_precision") == "no" \
+        else None
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """What the precision `auto` picks depends on, for the device this process trains on."""
+
+    device_type: str  # "cuda" or "cpu"
+    capability: tuple[int, int] | None = None  # the CUDA device's compute capability
+    cpu_bf16: bool = False  # the CPU computes bf16 natively: AVX512-BF16 or AMX on x86, bf16 instructions on Arm
+
+
+def hardware(topo: Topology) -> Hardware:
+    """This process's device, read without creating a CUDA context: the capability comes from the device
+    properties of this rank's own GPU (`torch.cuda.is_bf16_supported()` would allocate on cuda:0, from
+    every rank, and counts emulated bf16 as supported)."""
     import torch
 
-    if cuda:
-        return "bf16" if torch.cuda.is_bf16_supported() else "no"
-    # oneDNN's own test: AVX512 (core) or AMX on x86, bf16 instructions on Arm; without them every
-    # bf16 matmul is emulated, several times slower than fp32 (measured in README "Performance")
-    return "bf16" if torch.ops.mkldnn._is_mkldnn_bf16_supported() else "no"
+    if topo.cuda_devices:
+        return Hardware("cuda", tuple(torch.cuda.get_device_capability(topo.device)))
+    return Hardware("cpu", cpu_bf16=cpu_computes_bf16())
+
+
+def cpu_computes_bf16() -> bool:
+    import platform
+
+    import torch
+
+    if platform.machine().lower() in ("x86_64", "amd64", "i386", "i686"):
+        avx512_bf16 = getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
+        amx = getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+        return bool(avx512_bf16() or amx())
+    # oneDNN's own test on Arm: the bf16 instructions (it emulates nothing there)
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def auto_precision(hw: Hardware) -> tuple[str, str]:
+    """(precision, why) for `--mixed_precision auto`: 16-bit only where the device computes it natively."""
+    if hw.device_type == "cuda":
+        major, minor = hw.capability or (0, 0)
+        if major >= 8:
+            return "bf16", f"compute capability {major}.{minor} computes bf16 natively"
+        if major >= 7:
+            return "fp16", (f"compute capability {major}.{minor} (V100, T4) has fp16 tensor cores and emulates bf16: "
+                            "fp16 with a gradient scaler")
+        return "no", f"compute capability {major}.{minor} has no tensor cores"
+    if hw.cpu_bf16:
+        return "bf16", "this CPU computes bf16 natively (AVX512-BF16 or AMX)"
+    return "no", "this CPU has no native bf16 (AVX512-BF16 or AMX): bf16 would be emulated, several times slower"
+
+
+def choose_precision(requested: str, launcher: tuple[str, str] | None, hw: Hardware) -> tuple[str, str]:
+    """(precision, why): --mixed_precision; else what the launcher was given; else `auto_precision`.
+    Refuses a launcher and a flag that disagree, and fp16 on a CPU (accelerate would train in fp32
+    there without a word: it has no fp16 autocast or gradient scaler for the CPU)."""
+    from mlm_ddp.errors import BadInput
+
+    asked, where = launcher if launcher is not None else (None, "")
+    if asked is not None and asked not in PRECISIONS:
+        raise BadInput(f"{where} asks for mixed precision {asked!r}; mlm_ddp trains in {', '.join(PRECISIONS)}: "
+                       "launch with --mixed_precision bf16 (or pass it to mlm_ddp)")
+    if requested != "auto" and asked is not None and asked != requested:
+        raise BadInput(f"--mixed_precision {requested} and the launcher's {asked} (from {where}) disagree: "
+                       "give one of them, or the same value to both")
+    if requested != "auto":
+        precision, why = requested, f"--mixed_precision {requested}"
+    elif asked is not None:
+        precision, why = asked, f"from {where}"
+    else:
+        precision, why = auto_precision(hw)
+        why = f"auto: {why}"
+    if precision == "fp16" and hw.device_type != "cuda":
+        raise BadInput(f"mixed precision fp16 ({why}) needs a CUDA GPU; on a CPU accelerate would train in fp32 "
+                       "without saying so: use --mixed_precision bf16 or no")
+    return precision, why
+
+
+def fsdp2_policy(precision: str) -> Any:
+    """FSDP2's mixed-precision policy for `precision` (None for fp32): parameters gathered in 16 bits
+    for compute; gradients reduced in fp32, as DDP reduces autocast's fp32 gradients; and outputs not
+    cast (accelerate's own policy casts the root's outputs to 16 bits, which would round the loss
+    *sums* the model returns to bf16's 8-bit mantissa, or overflow them in fp16)."""
+    if precision == "no":
+        return None
+    import torch
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32, output_dtype=None)
 
 
 def local_world_size() -> int:

@@ -17,6 +17,7 @@ from torch.utils.data import DataLoader
 from mlm_ddp import data as mdata
 from mlm_ddp.distributed import sharded
 from mlm_ddp.masking import IGNORE_INDEX
+from mlm_ddp.model import check_loss_sum
 from mlm_ddp.run_log import TrainingClock
 
 logger = get_logger(__name__)
@@ -67,7 +68,7 @@ def evaluate_mlm(model: torch.nn.Module, loader: DataLoader | None,
     with torch.no_grad(), accelerator.autocast():
         for batch in eval_batches(loader, accelerator):
             loss_sum, masked, correct = net(**batch)
-            sums += torch.stack([loss_sum.double(), masked.double(), correct.double()])
+            sums += torch.stack([check_loss_sum(loss_sum).double(), masked.double(), correct.double()])
     net.train(was_training)
     loss_sum, masked, correct = accelerator.reduce(sums, reduction="sum").tolist()
     if masked == 0:

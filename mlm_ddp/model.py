@@ -258,10 +258,17 @@ def loss_sums(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor
     """
     logits = logits.float()
     loss_sum = F.cross_entropy(logits, targets, reduction="sum")
-    # a sum over thousands of tokens: in bf16 it would be rounded (8 bits of mantissa), in fp16 it overflows
-    assert loss_sum.dtype == torch.float32, loss_sum.dtype
     correct = (logits.argmax(dim=-1) == targets).sum()
     return loss_sum, torch.tensor(targets.numel(), device=targets.device), correct
+
+
+def check_loss_sum(loss_sum: torch.Tensor) -> torch.Tensor:
+    """`loss_sum` as the prepared model returned it, if it is fp32 (a dtype check: no host sync). A sum over
+    thousands of tokens in bf16 is rounded to 8 bits of mantissa, and overflows fp16's 65,504."""
+    if loss_sum.dtype != torch.float32:
+        raise RuntimeError(f"the model returned its loss sum in {loss_sum.dtype}, not float32 (a mixed-precision "
+                           "policy that casts the outputs?): the loss, perplexity and metrics would be rounded")
+    return loss_sum
 
 
 def inner_state_dict(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

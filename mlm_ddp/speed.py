@@ -12,6 +12,7 @@ import torch
 from accelerate import Accelerator
 
 FLOP_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers", "vocab_size")
+TRAINING_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}  # accelerate's mixed_precision -> matmul dtype
 
 
 def training_flops_per_token(model_config: Any, seq: int, head_fraction: float,
@@ -42,8 +43,11 @@ def measure_peak(accelerator: Accelerator, min_seconds: float = 1.0) -> float:
     # its own generator: a resumed run measures after restoring the RNG states, and a draw from the
     # global generator would shift every dropout mask after it
     generator = torch.Generator(device=device).manual_seed(0)
-    a = torch.randn(n, n, device=device, generator=generator)
-    b = torch.randn(n, n, device=device, generator=generator)
+    # operands already in the training dtype, as autocast's cached casts of the weights are: fp32 ones
+    # would be cast again at every call, and the peak would be that of the matmul plus two casts
+    dtype = TRAINING_DTYPES.get(accelerator.mixed_precision, torch.float32)
+    a = torch.randn(n, n, device=device, generator=generator).to(dtype)
+    b = torch.randn(n, n, device=device, generator=generator).to(dtype)
     best = math.inf
     start = time.perf_counter()
     with accelerator.autocast():

@@ -18,6 +18,7 @@ import torch
 from accelerate import Accelerator
 
 from mlm_ddp.masking import IGNORE_INDEX
+from mlm_ddp.model import check_loss_sum
 
 Batch = dict[str, torch.Tensor]
 
@@ -33,6 +34,9 @@ class StepResult:
     grad_norm: torch.Tensor  # before clipping; the same on every rank (the gradients are all-reduced)
     stepped: bool  # False: the gradients were not finite, or the loss spiked, and the update was skipped
     spike: Spike | None = None  # the loss spike judged by `LossSpikeGuard`, if this step was one
+    # fp16: the gradient scaler skipped the update for an overflow of the scaled gradients while every
+    # rank's loss was finite (routine while the scaler finds its scale; not --on_nonfinite_loss's business)
+    overflow: bool = False
 
 
 @dataclass(frozen=True)
@@ -79,6 +83,7 @@ def forward_backward(accelerator: Accelerator, model: torch.nn.Module, window: l
     for index, batch in enumerate(window):
         with accelerator.accumulate(model):
             loss_sum, n_masked, _ = model(**batch)
+            check_loss_sum(loss_sum)
             if loss_factors is not None:
                 loss_sum = loss_sum * loss_factors[index]
             accelerator.backward(loss_sum * scale)
@@ -114,9 +119,20 @@ def train_step(accelerator: Accelerator, model: torch.nn.Module, optimizer: torc
     # the gradients are the same on every rank after DDP's all-reduce, so is this norm: every rank
     # takes the same decision below without another collective
     norm = accelerator.clip_grad_norm_(model.parameters(), max_grad_norm or math.inf)
-    stepped = accelerator.scaler is not None or bool(torch.isfinite(norm))
-    if stepped:
+    overflow = False
+    if accelerator.scaler is None:
+        stepped = bool(torch.isfinite(norm))
+        if stepped:
+            optimizer.step()
+    else:
+        # fp16: the scaler steps unless the gradients hold inf/NaN, then lowers its scale (the same on
+        # every rank: the gradients are). Whether that was an overflow of the scaled gradients or a loss
+        # that was not finite on some rank, the ranks learn together: one more all-reduce, fp16 only
         optimizer.step()
+        stepped = not optimizer.step_was_skipped
+        if not stepped:
+            finite = accelerator.reduce(torch.isfinite(sums[0]).double(), reduction="sum")
+            overflow = int(finite.item()) == accelerator.num_processes
     optimizer.zero_grad(set_to_none=True)
     loss_sum, masked, tokens = sums.unbind()
-    return StepResult(loss_sum, masked, tokens, norm, stepped)
+    return StepResult(loss_sum, masked, tokens, norm, stepped, overflow=overflow)

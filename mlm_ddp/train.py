@@ -87,6 +87,7 @@ class Checked:
     model_config: Any
     topo: distributed.Topology
     fsdp_plugin: Any
+    precision: tuple[str, str]  # (the mixed precision it trains in, why)
     folder: RunFolder
     plan: OutputPlan
     start: ckpt.TrainerState  # where training starts: step 0, or the checkpoint's counters
@@ -117,6 +118,8 @@ def preflight(cfg: Config) -> Checked:
     topo = distributed.detect()
     fsdp_plugin = distributed.fsdp_plugin_from_launcher()
     distributed.check_fsdp_plugin(fsdp_plugin, cuda=bool(topo.cuda_devices))
+    precision = distributed.choose_precision(cfg.training.mixed_precision, distributed.launcher_precision(),
+                                             distributed.hardware(topo))
     folder = RunFolder(cfg)
     plan = folder.plan()
     start = ckpt.TrainerState(step=0, epoch=0, batch_in_epoch=0, tokens_seen=0, world_size=topo.world_size)
@@ -135,8 +138,8 @@ def preflight(cfg: Config) -> Checked:
     if cfg.data.streaming and written_by != topo.world_size:
         sizes = mdata.shard_sizes(raw_train)
         start, note = ckpt.elastic_stream_start(plan.resume_from, start, topo.world_size, sum(sizes) if sizes else None)
-    return Checked(tokenizer, model_config, topo, fsdp_plugin, folder, plan, start, accepted_changes, written_by,
-                   trackers, hub_repo, raw_train, raw_eval, note)
+    return Checked(tokenizer, model_config, topo, fsdp_plugin, precision, folder, plan, start, accepted_changes,
+                   written_by, trackers, hub_repo, raw_train, raw_eval, note)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -175,6 +178,7 @@ class Training:
     hooks: Hooks
     guard: LossSpikeGuard | None  # --on_loss_spike
     skipped_steps: int = field(default=0)  # optimizer steps skipped for non-finite gradients
+    overflows: int = field(default=0)  # fp16: updates the gradient scaler skipped while the losses were finite
     spikes: dict[str, int] = field(default_factory=lambda: {"skipped": 0, "rolled_back": 0})
     spiked_windows: set[tuple] = field(default_factory=set)  # positions of windows a rollback skips
 
@@ -184,8 +188,8 @@ class Training:
 
 
 def build(cfg: Config, checked: Checked, hooks: Hooks) -> Training:
-    accelerator, precision = distributed.start_accelerator(
-        checked.topo, checked.fsdp_plugin, cfg.training, cfg.run.ddp_timeout, checked.trackers,
+    accelerator = distributed.start_accelerator(
+        checked.topo, checked.fsdp_plugin, cfg.training, checked.precision[0], cfg.run.ddp_timeout, checked.trackers,
         project_dir=str(checked.folder.path / "logs"))  # TensorBoard writes into logs/<TRACKING_PROJECT>/
     wait = distributed.MainProcessWait(accelerator.num_processes, cfg.run.save_timeout)
     transformers_model = load_weights(cfg, checked, accelerator)
@@ -202,7 +206,7 @@ def build(cfg: Config, checked: Checked, hooks: Hooks) -> Training:
                     f", written by {checked.written_by} process(es)" if checked.elastic else "")
         if checked.resume_note:
             logger.warning("%s", checked.resume_note)
-    describe(cfg, checked, accelerator, precision, data, model, n_params)
+    describe(cfg, checked, accelerator, data, model, n_params)
     # a stream position is this rank's part's: another number of processes has other parts
     stream_state = (ckpt.read_data_state(resume_from, accelerator.process_index)
                     if resume_from and not checked.elastic else None)
@@ -238,17 +242,17 @@ def utilisation(cfg: Config, checked: Checked, accelerator: Accelerator, model: 
                        wrapper.masked_only, peak, wrapper.last_layer_subset)
 
 
-def describe(cfg: Config, checked: Checked, accelerator: Accelerator, precision: str, data: mdata.RankData,
+def describe(cfg: Config, checked: Checked, accelerator: Accelerator, data: mdata.RankData,
              model: torch.nn.Module, n_params: int) -> None:
     """The start-up lines: topology, data, model."""
     training, topo, world = cfg.training, checked.topo, accelerator.num_processes
     accumulation = training.gradient_accumulation_steps
     logger.info("topology: %d process(es) on %d node(s), %s, started by %s (master %s:%s); global batch "
-                "%d = %d per device x %d processes x %d accumulation; precision %s; device %s (%d threads)",
+                "%d = %d per device x %d processes x %d accumulation; precision %s (%s); device %s (%d threads)",
                 world, topo.num_nodes, accelerator.distributed_type, topo.launcher, topo.master_addr or "-",
                 topo.master_port or "-", training.per_device_train_batch_size * world * accumulation,
                 training.per_device_train_batch_size, world, accumulation,
-                precision + (" (auto)" if training.mixed_precision == "auto" else ""), accelerator.device,
+                *checked.precision, accelerator.device,
                 torch.get_num_threads())
     logger.info("data: %s; %d optimizer steps", data.note, data.total_steps)
     wrapper = accelerator.unwrap_model(model)
@@ -427,6 +431,11 @@ def spike_words(run: Training, step: int, spike: Spike) -> str:
 def on_skipped(run: Training, step: int, result: StepResult) -> None:
     """A step whose update was skipped: a loss spike (counted), or non-finite gradients, where
     --on_nonfinite_loss counts it or stops (every rank alike: the norm is the same)."""
+    if result.overflow:
+        run.overflows += 1
+        logger.info("step %d: the fp16 gradients overflowed; the gradient scaler skipped the update and lowered "
+                    "its scale to %g (%d so far)", step + 1, run.accelerator.scaler.get_scale(), run.overflows)
+        return
     if result.spike is not None:
         run.spikes["skipped"] += 1
         why = "" if run.cfg.run.on_loss_spike == "skip" else " (no checkpoint of this run to roll back to yet)"
