@@ -136,14 +136,6 @@ def test_torch_compile_keeps_the_loss_and_the_checkpoint_keys() -> None:
     assert compiled.state_dict().keys() == eager.state_dict().keys()  # checkpoints load either way
 
 
-def test_auto_precision_is_bf16_only_where_the_hardware_has_it() -> None:
-    from mlm_ddp.distributed import resolve_precision
-
-    assert [resolve_precision(p, cuda=False) for p in ("no", "fp16", "bf16")] == ["no", "fp16", "bf16"]
-    native = torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    assert resolve_precision("auto", cuda=False) == ("bf16" if native else "no")
-
-
 @pytest.mark.parametrize(("kind", "fresh", "head_lr", "expected_head_lr"), [
     ("bert", True, None, 1e-3), ("bert", False, None, None), ("bert", False, 5e-4, 5e-4),
     ("roberta", True, None, 1e-3),

@@ -13,10 +13,13 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from unittest import mock
 
 import pytest
 from accelerate.commands.config.config_args import load_config_from_file
+from accelerate.commands.launch import _validate_launch_command, launch_command_parser
 from accelerate.utils import DistributedType
+from accelerate.utils.launch import prepare_multi_gpu_env, prepare_simple_launcher_cmd_env
 from datasets import Dataset
 
 from mlm_ddp import data as mdata
@@ -67,7 +70,16 @@ def test_every_accelerate_config_loads_and_describes_topology_only(name: str) ->
     kind, on_cpu = EXPECTED[name]
     assert config.distributed_type == kind
     assert config.use_cpu is on_cpu
-    assert config.mixed_precision == "no"  # precision is an mlm_ddp flag, so every launcher trains alike
+    # no precision: mlm_ddp's auto picks it per device, so Slurm, Submitit and accelerate launch train alike
+    assert config.mixed_precision is None
+    # accelerate overwrites the processes' CUDA_VISIBLE_DEVICES with any gpu_ids but "all": a job pinned to
+    # GPU 3 by the user or by Slurm would land on physical GPU 0
+    args = launch_command_parser().parse_args(["--config_file", str(path), "train.py"])
+    with mock.patch.dict(os.environ, {"CUDA_VISIBLE_DEVICES": "3"}):
+        args, _, _ = _validate_launch_command(args)
+        several = args.multi_gpu or args.use_fsdp
+        env = prepare_multi_gpu_env(args) if several else prepare_simple_launcher_cmd_env(args)[1]
+    assert env["CUDA_VISIBLE_DEVICES"] == "3"
     assert config.num_processes >= config.num_machines >= 1
     header = [line for line in path.read_text().splitlines() if line.startswith("#")]
     assert any(f"accelerate launch --config_file accelerate_configs/{name}" in line for line in header)
@@ -137,11 +149,6 @@ def test_a_group_whose_processes_train_alone_is_refused() -> None:
 def test_the_fsdp_plugin_is_built_from_the_launcher_only_when_asked() -> None:
     assert distributed.fsdp_plugin_from_launcher({}) is None
     assert distributed.fsdp_plugin_from_launcher({"ACCELERATE_USE_FSDP": "false"}) is None
-
-
-def test_launcher_precision_is_read_but_only_when_asked() -> None:
-    assert distributed.launcher_precision({"ACCELERATE_MIXED_PRECISION": "no"}) is None
-    assert distributed.launcher_precision({"ACCELERATE_MIXED_PRECISION": "bf16"}) == "bf16"
 
 
 def test_doctor_under_plain_torchrun_forms_a_real_group() -> None:

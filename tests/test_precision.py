@@ -1,0 +1,205 @@
+"""Mixed precision (issue 29): what `auto` picks on which device and why, the launcher's precision
+honoured or refused, the fp16 gradient scaler's skips told from non-finite losses, and FSDP2's policy.
+The real bf16 runs on two CPU processes (DDP and FSDP) are in test_fsdp.py, beside the fp32 runs they
+are measured against."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from mlm_ddp import distributed
+from mlm_ddp.distributed import Hardware, choose_precision
+from mlm_ddp.errors import BadInput
+from tests.conftest import run_module, tiny_args
+from tests.test_topology import CONFIGS, LAUNCH
+
+CPU, CPU_BF16 = Hardware("cpu"), Hardware("cpu", cpu_bf16=True)
+
+
+def cuda(major: int, minor: int = 0) -> Hardware:
+    return Hardware("cuda", (major, minor))
+
+
+# (visible CUDA devices, their capability, native CPU bf16, ACCELERATE_USE_CPU) -> (precision, why)
+AUTO = [
+    (1, (9, 0), False, None, "bf16", "compute capability 9.0 computes bf16 natively"),  # H100
+    (8, (8, 0), True, None, "bf16", "compute capability 8.0 computes bf16 natively"),  # A100
+    (1, (7, 5), False, None, "fp16", "compute capability 7.5 (V100, T4) has fp16 tensor cores"),  # T4
+    (4, (7, 0), True, None, "fp16", "compute capability 7.0 (V100, T4) has fp16 tensor cores"),  # V100
+    (1, (6, 0), False, None, "no", "compute capability 6.0 has no tensor cores"),  # P100
+    (0, None, True, None, "bf16", "this CPU computes bf16 natively (AVX512-BF16 or AMX)"),
+    (0, None, False, None, "no", "this CPU has no native bf16"),
+    # a CPU-forced launch on a GPU node: the CPU's choice, whatever the GPU could do
+    (8, (9, 0), False, "true", "no", "this CPU has no native bf16"),
+    (8, (9, 0), True, "True", "bf16", "this CPU computes bf16 natively"),
+    (2, (7, 0), False, "1", "no", "this CPU has no native bf16"),
+    (2, (7, 0), False, "false", "fp16", "compute capability 7.0"),
+]
+
+
+@pytest.mark.parametrize(("gpus", "capability", "cpu_bf16", "use_cpu", "expected", "why"), AUTO)
+def test_auto_follows_the_device_the_run_uses(gpus: int, capability: tuple | None, cpu_bf16: bool,
+                                              use_cpu: str | None, expected: str, why: str) -> None:
+    env = {} if use_cpu is None else {"ACCELERATE_USE_CPU": use_cpu}
+    topo = distributed.detect(env, cuda_devices=gpus)
+    forced = use_cpu is not None and use_cpu.lower() in ("true", "1")
+    assert topo.device == ("cpu" if forced or not gpus else "cuda:0")
+    hw = Hardware("cuda", capability) if topo.cuda_devices else Hardware("cpu", cpu_bf16=cpu_bf16)
+    precision, reason = choose_precision("auto", None, hw)
+    assert (precision, reason.startswith("auto: ")) == (expected, True)
+    assert why in reason
+
+
+@pytest.mark.parametrize(("requested", "launcher", "hw", "expected"), [
+    ("no", None, CPU_BF16, ("no", "--mixed_precision no")),
+    ("bf16", None, CPU, ("bf16", "--mixed_precision bf16")),  # asked for: emulated, but honoured
+    ("auto", ("no", "accelerate launch --mixed_precision no"), CPU_BF16,
+     ("no", "from accelerate launch --mixed_precision no")),
+    ("auto", ("bf16", "accelerate launch"), cuda(7, 0), ("bf16", "from accelerate launch")),
+    ("bf16", ("bf16", "accelerate launch"), CPU, ("bf16", "--mixed_precision bf16")),  # agreeing: fine
+    ("fp16", None, cuda(7, 0), ("fp16", "--mixed_precision fp16")),
+])
+def test_a_precision_given_is_honoured(requested: str, launcher: tuple | None, hw: Hardware,
+                                       expected: tuple) -> None:
+    assert choose_precision(requested, launcher, hw) == expected
+
+
+@pytest.mark.parametrize(("requested", "launcher", "hw", "message"), [
+    ("no", ("bf16", "accelerate launch"), CPU_BF16,
+     r"--mixed_precision no and the launcher's bf16 \(from accelerate launch\) disagree"),
+    ("bf16", ("no", "mixed_precision: no in my.yaml"), cuda(9), r"the launcher's no \(from mixed_precision: no in my"),
+    ("fp16", None, CPU_BF16, "fp16 .* needs a CUDA GPU; on a CPU accelerate would train in fp32"),
+    ("auto", ("fp16", "accelerate launch"), CPU, "fp16 .*from accelerate launch.* needs a CUDA GPU"),
+    ("auto", ("fp8", "accelerate launch"), cuda(9), "asks for mixed precision 'fp8'; mlm_ddp trains in no, fp16, bf16"),
+])
+def test_a_precision_that_cannot_be_honoured_is_refused(requested: str, launcher: tuple | None, hw: Hardware,
+                                                        message: str) -> None:
+    with pytest.raises(BadInput, match=message):
+        choose_precision(requested, launcher, hw)
+
+
+def test_the_launcher_precision_counts_no_only_where_it_was_said(tmp_path: Path) -> None:
+    said_no, said_bf16, silent = (tmp_path / f"{n}.yaml" for n in ("no", "bf16", "silent"))
+    said_no.write_text('mixed_precision: "no"\nnum_processes: 1\n')
+    said_bf16.write_text("mixed_precision: bf16\n")
+    silent.write_text("num_processes: 1\n")
+    launch = ["/venv/bin/python", "/venv/bin/accelerate", "launch"]
+    ours = ["-m", "mlm_ddp.train", "--mixed_precision", "no"]  # mlm_ddp's own flag, after the module
+    cases = [
+        ({}, [*launch, *ours], None),
+        ({"ACCELERATE_MIXED_PRECISION": "bf16"}, [], ("bf16", distributed.LAUNCHER_SOURCE)),
+        # "no" is what accelerate launch exports when it was told nothing
+        ({"ACCELERATE_MIXED_PRECISION": "no"}, [*launch, "--config_file", str(silent), *ours], None),
+        ({"ACCELERATE_MIXED_PRECISION": "no"}, [*launch, "--mixed_precision", "no", *ours],
+         ("no", "accelerate launch --mixed_precision no")),
+        ({"ACCELERATE_MIXED_PRECISION": "no"}, ["python", "-m", "accelerate.commands.launch", "--mixed_precision=no",
+                                                "train.py"], ("no", "accelerate launch --mixed_precision no")),
+        ({"ACCELERATE_MIXED_PRECISION": "no"}, [*launch, "--config_file", str(said_no), *ours],
+         ("no", f"mixed_precision: no in {said_no}")),
+        ({"ACCELERATE_MIXED_PRECISION": "no"}, ["torchrun", "--nproc_per_node", "2", "train.py"], None),
+    ]
+    for env, argv, expected in cases:
+        assert distributed.launcher_precision(env, argv) == expected, (env, argv)
+
+
+def launch_one(config: str, launch_flags: list[str], args: list[str]):
+    return run_module([*LAUNCH, "--config_file", str(CONFIGS / config), *launch_flags, "-m", "mlm_ddp.train", *args])
+
+
+def test_accelerate_launch_precision_reaches_the_run_or_stops_it(tiny_model: Path, corpus: dict,
+                                                                 tmp_path: Path) -> None:
+    # honoured: the launcher says no, mlm_ddp's flag says auto (what tiny_args pinned is put back)
+    args = tiny_args(tiny_model, corpus, tmp_path / "honoured", "--max_train_steps", "1", "--report", "false",
+                     "--mixed_precision", "auto")
+    proc = launch_one("cpu.yaml", ["--mixed_precision", "no"], args)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "precision no (from accelerate launch --mixed_precision no)" in proc.stderr
+    # refused before anything is written: the launcher and the flag disagree
+    args = tiny_args(tiny_model, corpus, tmp_path / "refused", "--max_train_steps", "1", "--mixed_precision", "no")
+    proc = launch_one("cpu.yaml", ["--mixed_precision", "bf16"], args)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("mlm_ddp.train: error:")]
+    assert proc.returncode != 0 and len(errors) == 1, proc.stderr[-3000:]
+    assert "--mixed_precision no and the launcher's bf16" in errors[0]
+    assert not (tmp_path / "refused").exists()
+
+
+def test_fsdp2_policy_keeps_loss_sums_and_gradient_reductions_in_fp32() -> None:
+    from mlm_ddp.model import check_loss_sum
+
+    assert distributed.fsdp2_policy("no") is None
+    for name, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
+        policy = distributed.fsdp2_policy(name)
+        assert (policy.param_dtype, policy.reduce_dtype, policy.output_dtype) == (dtype, torch.float32, None)
+    assert check_loss_sum(torch.tensor(2201.6)).dtype == torch.float32
+    with pytest.raises(RuntimeError, match="loss sum in torch.bfloat16"):
+        check_loss_sum(torch.tensor(2201.6).bfloat16())  # 2208.0: what accelerate's own policy returned
+
+
+def test_the_mfu_peak_multiplies_operands_already_in_the_training_dtype(monkeypatch: pytest.MonkeyPatch) -> None:
+    from accelerate import Accelerator
+
+    from mlm_ddp import speed
+
+    seen: list[tuple] = []
+    real = torch.nn.functional.linear
+
+    def spy(a: torch.Tensor, b: torch.Tensor, *rest: object) -> torch.Tensor:
+        seen.append((a.dtype, b.dtype))
+        return real(a, b, *rest)
+
+    monkeypatch.setattr(torch.nn.functional, "linear", spy)
+    assert speed.measure_peak(Accelerator(cpu=True, mixed_precision="bf16"), min_seconds=0.0) > 0
+    assert seen and set(seen) == {(torch.bfloat16, torch.bfloat16)}
+
+
+# --- the fp16 guard -------------------------------------------------------------------------------
+# fp16 needs CUDA, which this suite does not have. The decision in step.train_step is tested with the
+# real torch.amp.GradScaler on the CPU, given to the Accelerator where accelerate would give a CUDA one
+# (the only thing faked): the scaler's own unscale/skip/lower-the-scale logic runs as on a GPU.
+
+
+def scaled_step(loss_factor: float):
+    from accelerate import Accelerator
+    from transformers import BertConfig, BertForMaskedLM
+
+    from mlm_ddp.model import MaskedLMLoss
+    from mlm_ddp.step import train_step
+
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                        intermediate_size=32, max_position_embeddings=16)
+    accelerator = Accelerator(cpu=True)
+    accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)  # the boundary: see above
+    model = MaskedLMLoss(BertForMaskedLM(config))
+    model, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters()))
+    before = [p.detach().clone() for p in model.parameters()]
+    labels = torch.full((2, 8), -100)
+    labels[:, 2] = 7
+    window = [{"input_ids": torch.randint(5, 50, (2, 8)), "attention_mask": torch.ones(2, 8, dtype=torch.long),
+               "labels": labels}]
+    result = train_step(accelerator, model, optimizer, window, torch.tensor(2.0, dtype=torch.float64), None,
+                        loss_factors=[loss_factor])
+    changed = any(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    return result, changed, accelerator.scaler.get_scale()
+
+
+def test_fp16_a_finite_loss_whose_scaled_gradients_overflow_is_the_scalers_business() -> None:
+    # x 1e36 keeps the loss finite in fp32 (about 4e36) but its gradient, scaled by 2^16, overflows
+    result, changed, scale = scaled_step(1e36)
+    assert math.isfinite(float(result.loss_sum))
+    assert (result.stepped, result.overflow, changed, scale) == (False, True, False, 2.0**15)
+
+
+def test_fp16_a_nan_loss_is_not_an_overflow_and_reaches_on_nonfinite_loss() -> None:
+    result, changed, scale = scaled_step(math.nan)
+    assert (result.stepped, result.overflow, changed) == (False, False, False)
+    assert scale == 2.0**15  # the scaler skipped it too; train.on_skipped then stops or counts it
+
+
+def test_fp16_a_normal_step_updates() -> None:
+    result, changed, scale = scaled_step(1.0)
+    assert (result.stepped, result.overflow, changed, scale) == (True, False, True, 2.0**16)
