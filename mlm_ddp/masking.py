@@ -15,6 +15,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from mlm_ddp.errors import BadInput
+
 IGNORE_INDEX = -100  # label of positions that carry no loss (torch cross_entropy's ignore_index)
 TRAIN_SPLIT, EVAL_SPLIT = 0, 1
 EPOCH_KEY = "_epoch"  # a row's own epoch, when its batch may hold two (data.EpochKeyed); else `epoch`
@@ -88,12 +90,20 @@ class MaskingCollator:
     def __post_init__(self) -> None:
         self._special = np.asarray(sorted(set(self.special_ids)), dtype=np.int64)
         self._replacement_ids = np.setdiff1d(np.arange(self.vocab_size, dtype=np.int64), self._special)
+        if self._replacement_ids.size == 0:
+            # else every batch fails deep in the random-token draw (numpy: "high <= 0"), after the run began
+            raise BadInput(f"the vocabulary of {self.vocab_size} ids holds special tokens only "
+                           f"({', '.join(map(str, self._special))}): there is no ordinary token to mask, nor "
+                           "to put in place of one; use a tokenizer trained on text (--tokenizer_name)")
 
     @classmethod
     def for_tokenizer(cls, tokenizer: Any, **kwargs: Any) -> MaskingCollator:
         """The collator of a (fast) tokenizer's special tokens and vocabulary; kwargs: the other fields."""
-        return cls(mask_token_id=tokenizer.mask_token_id, pad_token_id=tokenizer.pad_token_id,
-                   special_ids=tokenizer.all_special_ids, vocab_size=len(tokenizer), **kwargs)
+        try:
+            return cls(mask_token_id=tokenizer.mask_token_id, pad_token_id=tokenizer.pad_token_id,
+                       special_ids=tokenizer.all_special_ids, vocab_size=len(tokenizer), **kwargs)
+        except BadInput as err:
+            raise BadInput(f"tokenizer {tokenizer.name_or_path!r}: {err}") from None
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch

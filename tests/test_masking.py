@@ -1,6 +1,10 @@
+import json
+from pathlib import Path
+
 import numpy as np
 import pytest
 
+from mlm_ddp.errors import BadInput
 from mlm_ddp.masking import IGNORE_INDEX, MaskingCollator
 
 MASK, PAD, CLS, SEP = 3, 0, 1, 2
@@ -89,3 +93,40 @@ def test_whole_word_masking_masks_every_piece_of_a_word() -> None:
 def test_whole_word_masking_needs_word_boundaries() -> None:
     with pytest.raises(ValueError, match="word_continues"):
         collator(whole_word_mask=True)([{"input_ids": [CLS, 10, 11, SEP]}])
+
+
+def test_a_vocabulary_of_special_tokens_only_is_refused_where_the_collator_is_built() -> None:
+    # else the first batch fails inside the random-token draw: numpy's "high <= 0"
+    with pytest.raises(BadInput, match=r"vocabulary of 4 ids holds special tokens only \(0, 1, 2, 3\)"):
+        MaskingCollator(mask_token_id=MASK, pad_token_id=PAD, special_ids=SPECIAL, vocab_size=4)
+    assert collator_of_vocab(5)([{"input_ids": [CLS, 4, 4, SEP]}])["input_ids"].shape == (1, 4)  # one is enough
+
+
+def collator_of_vocab(size: int) -> MaskingCollator:
+    return MaskingCollator(mask_token_id=MASK, pad_token_id=PAD, special_ids=SPECIAL, vocab_size=size)
+
+
+def special_only_tokenizer(folder: Path) -> Path:
+    """A WordPiece vocabulary of BERT's five special tokens and nothing else: every word is [UNK]."""
+    folder.mkdir()
+    (folder / "vocab.txt").write_text("[PAD]\n[UNK]\n[CLS]\n[SEP]\n[MASK]\n")
+    (folder / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "BertTokenizer",
+                                                              "model_max_length": 64}))
+    return folder
+
+
+def test_a_tokenizer_without_ordinary_tokens_stops_the_run_before_anything_is_written(
+        tiny_model: Path, corpus: dict, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    from transformers import AutoTokenizer
+
+    from mlm_ddp.train import main
+    from tests.conftest import tiny_args
+
+    folder = special_only_tokenizer(tmp_path / "specials")
+    with pytest.raises(BadInput, match=f"tokenizer '{folder}': the vocabulary of 5 ids holds special tokens only"):
+        MaskingCollator.for_tokenizer(AutoTokenizer.from_pretrained(folder))
+    out = tmp_path / "run"
+    assert main(tiny_args(tiny_model, corpus, out, "--max_train_steps", "1", "--tokenizer_name", str(folder))) == 2
+    errors = [x for x in capsys.readouterr().err.splitlines() if x.startswith("mlm_ddp.train: error:")]
+    assert len(errors) == 1 and "holds special tokens only" in errors[0] and "--tokenizer_name" in errors[0], errors
+    assert not out.exists()
