@@ -1,7 +1,8 @@
 """FSDP for real: accelerate_configs/fsdp.yaml on two CPU processes over gloo (accelerate alone would
-run DDP there). The same curve as DDP for BERT and RoBERTa, sharded checkpoints that resume exactly
-after a stop signal, refusals of what cannot be resumed, a kill -9 during a sharded save, and a
-final/ that is the whole tied model (issue 18)."""
+run DDP there). The same curve as DDP for BERT and RoBERTa, with a trained MLM head and with one
+initialised fresh (a checkpoint without a head, as all-MiniLM-L6-v2); sharded checkpoints that resume
+exactly after a stop signal, refusals of what cannot be resumed, a kill -9 during a sharded save, a
+final/ that is the whole tied model (issue 18); bf16 on DDP and FSDP against fp32 (issue 29)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import signal
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from mlm_ddp import checkpoint as ckpt
@@ -59,24 +61,52 @@ def tiny_roberta(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> 
 
 
 @pytest.fixture(scope="module")
-def bert_fsdp(tiny_model: Path, corpus: dict, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+def tiny_roberta_fresh(tiny_roberta: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny RoBERTa's encoder saved as a RobertaModel: its MLM head is initialised fresh on loading."""
+    from transformers import AutoModelForMaskedLM, AutoTokenizer
+
+    root = tmp_path_factory.mktemp("tiny_roberta_fresh")
+    AutoModelForMaskedLM.from_pretrained(tiny_roberta).roberta.save_pretrained(root)
+    AutoTokenizer.from_pretrained(tiny_roberta).save_pretrained(root)
+    return root
+
+
+def finished_fsdp(model: Path, corpus: dict, out: Path) -> tuple[Path, str]:
     """A finished FSDP run of STEPS steps with sharded checkpoints every 4 steps; (output_dir, log)."""
-    out = tmp_path_factory.mktemp("bert_fsdp") / "run"
-    log = train_two("fsdp.yaml", tiny_model, corpus, out, "--max_train_steps", str(STEPS),
-                    "--checkpointing_steps", "4", "--save_total_limit", "2")
+    log = train_two("fsdp.yaml", model, corpus, out, "--max_train_steps", str(STEPS), "--checkpointing_steps", "4",
+                    "--save_total_limit", "2")
     return out, log
 
 
-@pytest.mark.parametrize("family", ["bert", "roberta"])
-def test_fsdp_trains_the_ddp_curve(family: str, bert_fsdp: tuple[Path, str], tiny_model: Path, tiny_roberta: Path,
-                                   corpus: dict, tmp_path: Path) -> None:
-    model = {"bert": tiny_model, "roberta": tiny_roberta}[family]
+@pytest.fixture(scope="module")
+def bert_fsdp(tiny_model: Path, corpus: dict, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    return finished_fsdp(tiny_model, corpus, tmp_path_factory.mktemp("bert_fsdp") / "run")
+
+
+@pytest.fixture(scope="module")
+def fresh_fsdp(tiny_fresh_head: Path, corpus: dict, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """The same, from a checkpoint without an MLM head (it was the run that could not save, issue 29)."""
+    return finished_fsdp(tiny_fresh_head, corpus, tmp_path_factory.mktemp("fresh_fsdp") / "run")
+
+
+@pytest.mark.parametrize(("family", "head"), [("bert", "trained"), ("bert", "fresh"), ("roberta", "trained"),
+                                              ("roberta", "fresh")])
+def test_fsdp_trains_the_ddp_curve(family: str, head: str, request: pytest.FixtureRequest, corpus: dict,
+                                   tmp_path: Path) -> None:
+    """fp32, dropout off, global batch 16 both ways: FSDP and DDP sum the same gradients in another order
+    (reduce-scatter of shards against all-reduce of buckets), which moves fp32 sums by a few ulps (1e-7
+    relative); 1e-5 over 20 steps leaves room for that to compound, and not for one parameter trained
+    otherwise (the fresh head's split at the first update was 1e-2)."""
+    fixture = {("bert", "trained"): "tiny_model", ("bert", "fresh"): "tiny_fresh_head",
+               ("roberta", "trained"): "tiny_roberta", ("roberta", "fresh"): "tiny_roberta_fresh"}[family, head]
+    model = request.getfixturevalue(fixture)
     layer = {"bert": "BertLayer", "roberta": "RobertaLayer"}[family]
     if family == "bert":
-        fsdp, log = bert_fsdp
+        fsdp, log = request.getfixturevalue({"trained": "bert_fsdp", "fresh": "fresh_fsdp"}[head])
     else:
         fsdp = tmp_path / "fsdp"
         log = train_two("fsdp.yaml", model, corpus, fsdp, "--max_train_steps", str(STEPS))
+    assert ("has no trained MLM head" in log) == (head == "fresh")
     assert "mlm_ddp keeps its FSDP2 plugin (gloo)" in log
     assert "topology: 2 process(es) on 1 node(s), DistributedType.FSDP" in log
     # the wrap class comes from the model; the embeddings, tied to the head, stay in the root unit with it
@@ -86,7 +116,7 @@ def test_fsdp_trains_the_ddp_curve(family: str, bert_fsdp: tuple[Path, str], tin
     a, b = train_losses(tmp_path / "ddp"), train_losses(fsdp)
     assert sorted(b) == list(range(1, STEPS + 1))
     worst = max_rel_diff(a, b)
-    print(f"{family}: FSDP vs DDP, largest relative loss difference over {STEPS} steps: {worst:.2e}")
+    print(f"{family}, {head} head: FSDP vs DDP, largest relative loss difference over {STEPS} steps: {worst:.2e}")
     assert worst <= 1e-5, (a, b)
 
 
@@ -121,10 +151,11 @@ def test_sharded_checkpoints_are_complete_rotated_and_refused_where_they_cannot_
 
 
 def test_a_stop_signal_saves_a_sharded_checkpoint_and_latest_resumes_the_straight_curve(
-        bert_fsdp: tuple[Path, str], tiny_model: Path, corpus: dict, tmp_path: Path) -> None:
-    straight = train_losses(bert_fsdp[0])
+        fresh_fsdp: tuple[Path, str], tiny_fresh_head: Path, corpus: dict, tmp_path: Path) -> None:
+    # a fresh head: its first save used to fail on rank 1 (KeyError in the optimizer's state dict)
+    straight = train_losses(fresh_fsdp[0])
     out = tmp_path / "stopped"
-    proc = popen(launch("fsdp.yaml", tiny_model, corpus, out, "--max_train_steps", "400"), env=FSDP_ENV)
+    proc = popen(launch("fsdp.yaml", tiny_fresh_head, corpus, out, "--max_train_steps", "400"), env=FSDP_ENV)
     try:
         wait_for(lambda: last_step(out) >= 2, 120, "step 2")
         ranks = workers_of(proc.pid)
@@ -139,12 +170,13 @@ def test_a_stop_signal_saves_a_sharded_checkpoint_and_latest_resumes_the_straigh
     saved = Path(record["checkpoint"])
     assert (saved / ckpt.MARKER).exists() and (saved / "pytorch_model_fsdp_0" / "__1_0.distcp").exists()
 
-    train_two("fsdp.yaml", tiny_model, corpus, out, "--max_train_steps", str(STEPS), "--resume_from_checkpoint",
+    train_two("fsdp.yaml", tiny_fresh_head, corpus, out, "--max_train_steps", str(STEPS), "--resume_from_checkpoint",
               "latest")
     resumed = train_losses(out)
     assert sorted(resumed) == list(range(1, STEPS + 1))
     assert max_rel_diff(straight, resumed) <= 1e-5
     assert not (out / "stopped.json").exists()
+    assert [p.name for p in ckpt.complete_checkpoints(fresh_fsdp[0])] == ["step-0000016", "step-0000020"]
 
 
 def test_final_is_the_whole_tied_model_and_evaluates_as_the_last_eval(
@@ -172,6 +204,47 @@ def test_final_is_the_whole_tied_model_and_evaluates_as_the_last_eval(
     first_eval = [r for r in read_metrics(check) if "eval_loss" in r][0]
     assert first_eval["step"] == 0
     assert first_eval["eval_loss"] == pytest.approx(last_eval["eval_loss"], rel=1e-5)
+
+
+BF16_UNIT_ROUNDOFF = 2.0**-8  # bf16 keeps 8 significant bits
+
+
+@pytest.mark.parametrize("config", ["cpu_ddp.yaml", "fsdp.yaml"])
+def test_bf16_trains_within_bf16_rounding_of_fp32(config: str, fresh_fsdp: tuple[Path, str], tiny_fresh_head: Path,
+                                                  corpus: dict, tmp_path: Path) -> None:
+    """bf16 on two CPU processes (native on AVX512-BF16/AMX, emulated elsewhere: the same roundings).
+
+    The bound: each logit carries bf16's relative rounding (at most 2^-8 of it), and the loss is a mean of
+    log-softmaxes of those logits, accumulated in fp32; its error cannot exceed one bf16 rounding of the
+    loss unless every token's error had the same sign. The master weights stay fp32, so 10 updates at
+    lr 1e-3 from gradients of that accuracy move the curve by far less (measured: about 2e-4 relative).
+    The runs must differ, too: equal losses would mean bf16 never ran."""
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint import FileSystemReader
+
+    fp32 = train_losses(fresh_fsdp[0])
+    out = tmp_path / "bf16"
+    steps = 10
+    log = train_two(config, tiny_fresh_head, corpus, out, "--max_train_steps", str(steps), "--checkpointing_steps",
+                    str(steps), "--mixed_precision", "bf16")
+    assert "precision bf16 (--mixed_precision bf16)" in log
+    bf16 = train_losses(out)
+    assert sorted(bf16) == list(range(1, steps + 1))
+    worst = max(abs(bf16[s] - fp32[s]) / fp32[s] for s in bf16)
+    print(f"{config}: bf16 vs fp32, largest relative loss difference over {steps} steps: {worst:.2e}")
+    assert 0 < worst <= BF16_UNIT_ROUNDOFF
+    # master weights, optimizer state and final/ stay fp32
+    assert {t.dtype for t in load_file(str(out / "final" / "model.safetensors")).values()} == {torch.float32}
+    saved = out / "checkpoints" / f"step-{steps:07d}"
+    if config == "fsdp.yaml":
+        for folder in ckpt.SHARDED_DIRS:
+            metadata = FileSystemReader(str(saved / folder)).read_metadata().state_dict_metadata
+            dtypes = {m.properties.dtype for m in metadata.values() if hasattr(m, "properties")}
+            assert dtypes == {torch.float32}, (folder, dtypes)
+    else:
+        state = torch.load(saved / "optimizer.bin", weights_only=True)["state"]
+        assert {t.dtype for s in state.values() for k, t in s.items() if k != "step"} == {torch.float32}
+        assert {t.dtype for t in load_file(str(saved / "model.safetensors")).values()} == {torch.float32}
 
 
 def test_kill_9_during_a_sharded_save_leaves_nothing_latest_would_pick(tiny_model: Path, corpus: dict,
