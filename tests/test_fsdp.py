@@ -206,6 +206,18 @@ def test_final_is_the_whole_tied_model_and_evaluates_as_the_last_eval(
     assert first_eval["eval_loss"] == pytest.approx(last_eval["eval_loss"], rel=1e-5)
 
 
+def test_gradient_checkpointing_under_fsdp_trains_the_same_curve(fresh_fsdp: tuple[Path, str], tiny_fresh_head: Path,
+                                                                   corpus: dict, tmp_path: Path) -> None:
+    """Dropout off: recomputing each layer in the backward gives the same gradients, and the last layer
+    runs on every position (the subset path is off), which changes only the summation order."""
+    out = tmp_path / "checkpointed"
+    log = train_two("fsdp.yaml", tiny_fresh_head, corpus, out, "--max_train_steps", "6", "--gradient_checkpointing")
+    assert "--gradient_checkpointing recomputes the layer's full forward" in log
+    straight, checkpointed = train_losses(fresh_fsdp[0]), train_losses(out)
+    assert sorted(checkpointed) == list(range(1, 7))
+    assert max(abs(checkpointed[s] - straight[s]) / straight[s] for s in checkpointed) <= 1e-5
+
+
 BF16_UNIT_ROUNDOFF = 2.0**-8  # bf16 keeps 8 significant bits
 
 
