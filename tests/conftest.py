@@ -184,3 +184,115 @@ def slurm(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
            "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
     yield env
     subprocess.run(["bash", str(CLUSTER), "stop", str(state)], capture_output=True, text=True, timeout=120)
+
+
+# --- tokenizers that are not WordPiece; what a run in this process trained on ------------------------
+
+import contextlib  # noqa: E402
+from collections.abc import Iterator  # noqa: E402
+from typing import Any  # noqa: E402
+
+
+def save_tiny_masked_lm(family: str, tokenizer_dir: Path, **config: Any) -> Path:
+    """A 2-layer masked LM of `family`, the size of `tiny_model`, for the tokenizer saved in
+    `tokenizer_dir`, saved beside it; `config`: the family's own fields."""
+    import torch
+    from transformers import AutoConfig, AutoModelForMaskedLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    sizes = dict(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                 intermediate_size=64, max_position_embeddings=64, pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(0)
+    AutoModelForMaskedLM.from_config(AutoConfig.for_model(family, **{**sizes, **config})).save_pretrained(tokenizer_dir)
+    return tokenizer_dir
+
+
+@pytest.fixture(scope="session")
+def tiny_bpe_model(corpus: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 2-layer RobertaForMaskedLM and a 600-token byte-level BPE tokenizer (RoBERTa's kind: a word's
+    first piece carries the space as 'Ġ', punctuation is a word of its own) trained on the corpus."""
+    from tokenizers import ByteLevelBPETokenizer
+    from transformers import AutoTokenizer
+
+    root = tmp_path_factory.mktemp("tiny_bpe")
+    bpe = ByteLevelBPETokenizer()
+    bpe.train([str(corpus["train"])], vocab_size=600, min_frequency=2, show_progress=False,
+              special_tokens=["<s>", "<pad>", "</s>", "<unk>", "<mask>"])
+    bpe.save_model(str(root))
+    # vocab.json + merges.txt and this config load as a fast RoBERTa tokenizer in transformers 4 and 5
+    (root / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "RobertaTokenizer",
+                                                            "model_max_length": 64}))
+    tokenizer = AutoTokenizer.from_pretrained(root)
+    assert type(tokenizer).__name__.startswith("RobertaTokenizer") and tokenizer.is_fast and len(tokenizer) == 600
+    tokenizer.save_pretrained(root)
+    # RoBERTa numbers positions from pad_token_id + 1: two more positions than the 64 tokens
+    return save_tiny_masked_lm("roberta", root, max_position_embeddings=66)
+
+
+@pytest.fixture(scope="session")
+def tiny_unigram_model(corpus: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 2-layer AlbertForMaskedLM and a 600-piece SentencePiece-style Unigram tokenizer (ALBERT's kind:
+    '▁' starts a word, no lower-casing) trained on the corpus, saved as a fast AlbertTokenizer."""
+    import transformers
+    from tokenizers import SentencePieceUnigramTokenizer
+    from tokenizers.processors import TemplateProcessing
+    from transformers import AutoTokenizer
+
+    root = tmp_path_factory.mktemp("tiny_unigram")
+    unigram = SentencePieceUnigramTokenizer()
+    unigram.train([str(corpus["train"])], vocab_size=600, special_tokens=["<pad>", "<unk>", "[CLS]", "[SEP]", "[MASK]"],
+                  unk_token="<unk>", show_progress=False)
+    backend = unigram._tokenizer  # the `tokenizers.Tokenizer` that the wrapper class holds
+    backend.post_processor = TemplateProcessing(single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B [SEP]",
+                                                special_tokens=[("[CLS]", 2), ("[SEP]", 3)])
+    # AlbertTokenizerFast: the fast class in transformers 4, an alias of AlbertTokenizer in 5
+    transformers.AlbertTokenizerFast(
+        tokenizer_object=backend, do_lower_case=False, model_max_length=64, unk_token="<unk>", pad_token="<pad>",
+        cls_token="[CLS]", sep_token="[SEP]", bos_token="[CLS]", eos_token="[SEP]", mask_token="[MASK]",
+    ).save_pretrained(root)
+    tokenizer = AutoTokenizer.from_pretrained(root)
+    assert type(tokenizer).__name__.startswith("AlbertTokenizer") and tokenizer.is_fast and len(tokenizer) == 600
+    assert tokenizer("Return it.")["input_ids"][0] == tokenizer.cls_token_id
+    return save_tiny_masked_lm("albert", root, embedding_size=32)
+
+
+@contextlib.contextmanager
+def recorded_batches() -> Iterator[list[tuple[int, list[dict], dict]]]:
+    """(split, examples, batch) of every batch a MaskingCollator makes in this process inside the block,
+    in order: what a run called here (DataLoader workers: 0) really trained and evaluated on."""
+    from mlm_ddp.masking import MaskingCollator
+
+    made: list[tuple[int, list[dict], dict]] = []
+    collate = MaskingCollator.__call__
+
+    def recording(self: MaskingCollator, examples: list[dict]) -> dict:
+        batch = collate(self, examples)
+        made.append((self.split, examples, batch))
+        return batch
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(MaskingCollator, "__call__", recording)
+        yield made
+
+
+def words_masked(batches: list[tuple[int, list[dict], dict]], special_ids: list[int]) -> tuple[int, int]:
+    """(words of two or more pieces masked in part, those masked whole) in the training batches. A word:
+    a run of non-special tokens, each after the first continuing its predecessor (word_continues)."""
+    import numpy as np
+
+    from mlm_ddp.masking import IGNORE_INDEX, TRAIN_SPLIT
+
+    part = whole = 0
+    for split, examples, batch in batches:
+        if split != TRAIN_SPLIT:
+            continue
+        for row, example in enumerate(examples):
+            ids = np.asarray(example["input_ids"])
+            selected = batch["labels"][row, : len(ids)].numpy() != IGNORE_INDEX
+            ordinary = ~np.isin(ids, special_ids)
+            continues = np.asarray(example["word_continues"], dtype=bool) & np.r_[False, ordinary[:-1]]
+            for word, kept in zip(np.split(selected, np.flatnonzero(~continues)[1:]),
+                                  np.split(ordinary, np.flatnonzero(~continues)[1:]), strict=True):
+                if kept.all() and len(word) > 1 and word.any():
+                    whole, part = whole + int(word.all()), part + int(not word.all())
+    return part, whole
