@@ -5,6 +5,7 @@ like packed blocks; --gradient_checkpointing computes the same loss; final/ carr
 from __future__ import annotations
 
 import functools
+import json
 import re
 import shutil
 from pathlib import Path
@@ -13,8 +14,9 @@ import pytest
 import yaml
 
 from mlm_ddp.config import parse_args
+from mlm_ddp.masking import TRAIN_SPLIT
 from mlm_ddp.train import main, train
-from tests.conftest import NO_DROPOUT, read_metrics, tiny_args, train_losses
+from tests.conftest import NO_DROPOUT, read_metrics, recorded_batches, tiny_args, train_losses
 from tests.test_topology import launch_with, max_rel_diff
 
 # every flag of transformers' examples/pytorch/language-modeling/run_mlm_no_trainer.py, with a typical
@@ -103,63 +105,132 @@ def test_what_cannot_work_here_stops_before_anything_is_written(tiny_model: Path
     assert not (tmp_path / "run").exists()
 
 
-def test_a_slow_tokenizer_is_refused_only_where_whole_word_masking_needs_word_ids(tiny_model: Path) -> None:
+def test_a_slow_tokenizer_is_refused_only_where_whole_word_masking_needs_word_ids(tiny_model: Path,
+                                                                                 tmp_path: Path) -> None:
+    import transformers
+    from transformers import AutoTokenizer
+
     from mlm_ddp.config import ModelConfig
     from mlm_ddp.errors import BadInput
     from mlm_ddp.model import load_tokenizer
 
+    # --use_slow_tokenizer on a BERT folder: transformers 4 loads its slow BertTokenizer, 5 has none
+    # left and loads the fast one, which gives word ids
+    slow_bert_left = int(transformers.__version__.split(".")[0]) < 5
+    assert AutoTokenizer.from_pretrained(tiny_model, use_fast=False).is_fast != slow_bert_left
     asked = ModelConfig(model_name_or_path=str(tiny_model), use_slow_tokenizer=True)
     assert load_tokenizer(asked).mask_token == "[MASK]"  # without whole-word masking, any tokenizer
-    try:  # transformers 5 has no slow BERT tokenizer left: it loads the fast one, which is fine
+    if slow_bert_left:
+        with pytest.raises(BadInput, match="drop --use_slow_tokenizer, or --whole_word_mask"):
+            load_tokenizer(asked, needs_word_ids=True)
+    else:
         assert load_tokenizer(asked, needs_word_ids=True).is_fast
-    except BadInput as err:
-        assert "drop --use_slow_tokenizer, or --whole_word_mask" in str(err)
+
+    # a tokenizer that is slow in both: BertJapaneseTokenizer (Python only) on the same WordPiece vocabulary
+    slow = tmp_path / "slow"
+    slow.mkdir()
+    shutil.copy(tiny_model / "vocab.txt", slow / "vocab.txt")
+    (slow / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "BertJapaneseTokenizer", "word_tokenizer_type": "basic", "do_lower_case": True,
+        "subword_tokenizer_type": "wordpiece", "model_max_length": 64}))
+    only_slow = ModelConfig(model_name_or_path=str(tiny_model), tokenizer_name=str(slow))
+    tokenizer = load_tokenizer(only_slow)
+    assert not tokenizer.is_fast and tokenizer.mask_token == "[MASK]"
+    with pytest.raises(BadInput, match="is a slow .* pass --tokenizer_name with a fast one"):
+        load_tokenizer(only_slow, needs_word_ids=True)
+    with pytest.raises(BadInput, match="drop --use_slow_tokenizer, or --whole_word_mask"):
+        load_tokenizer(ModelConfig(tokenizer_name=str(slow), use_slow_tokenizer=True,
+                                   model_name_or_path=str(tiny_model)), needs_word_ids=True)
 
 
 # --- --line_by_line, --pad_to_max_length --------------------------------------------------------------
 
 
 LINES = ["--line_by_line", "--max_train_steps", "6", *NO_DROPOUT, "--per_device_train_batch_size", "16"]
+LINE_WORDS = 8  # line i keeps its first 1 + i % LINE_WORDS words: 3 to ~20 tokens, a few cut at 32
 
 
 @pytest.fixture(scope="module")
-def line_runs(tiny_model: Path, corpus: dict, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """One process, line by line: padded per batch, and padded to --max_seq_length."""
-    root = tmp_path_factory.mktemp("lines")
-    runs = {"batch": root / "batch", "max": root / "max"}
-    train(parse_args(tiny_args(tiny_model, corpus, runs["batch"], *LINES, "--checkpointing_steps", "3")))
-    train(parse_args(tiny_args(tiny_model, corpus, runs["max"], *LINES, "--pad_to_max_length")))
+def line_corpus(corpus: dict, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The corpus with its training lines cut to 1..8 words. Whole, 76% of them reach --max_seq_length
+    32, so nearly every batch of 16 held one, and padding per batch was padding to 32."""
+    root = tmp_path_factory.mktemp("line_corpus")
+    lines = corpus["train"].read_text().splitlines()
+    (root / "train.txt").write_text("\n".join(" ".join(line.split()[: 1 + i % LINE_WORDS])
+                                             for i, line in enumerate(lines)) + "\n")
+    return {**corpus, "train": root / "train.txt", "root": root}
+
+
+@pytest.fixture(scope="module")
+def line_runs(tiny_model: Path, line_corpus: dict) -> dict[str, Path | list]:
+    """One process, line by line: padded per batch, and padded to --max_seq_length; with the batches
+    each trained and evaluated on ("<run> batches")."""
+    root = line_corpus["root"]
+    runs: dict[str, Path | list] = {"batch": root / "batch", "max": root / "max"}
+    for name, extra in (("batch", ["--checkpointing_steps", "3"]), ("max", ["--pad_to_max_length"])):
+        with recorded_batches() as made:
+            train(parse_args(tiny_args(tiny_model, line_corpus, runs[name], *LINES, *extra)))
+        runs[f"{name} batches"] = [batch for split, _, batch in made if split == TRAIN_SPLIT]
     return runs
 
 
-def test_line_by_line_trains_one_line_per_sequence(line_runs: dict[str, Path], corpus: dict) -> None:
+def test_line_by_line_trains_one_line_per_sequence(line_runs: dict, tiny_model: Path) -> None:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    batches = line_runs["batch batches"]
+    assert len(batches) == 6 and all(b["input_ids"].shape[0] == 16 for b in batches)
+    for batch in batches:  # each row: [CLS] one line [SEP], never two lines packed into a sequence
+        for ids, attention in zip(batch["input_ids"], batch["attention_mask"], strict=True):
+            length = int(attention.sum())
+            assert (attention[:length] == 1).all() and 3 <= length <= 32
+            original = ids[:length].tolist()
+            assert original[0] == tokenizer.cls_token_id and original[-1] == tokenizer.sep_token_id
+            assert tokenizer.cls_token_id not in original[1:-1] and tokenizer.sep_token_id not in original[1:-1]
     first = read_metrics(line_runs["batch"])[1]
-    lines = [line for line in corpus["train"].read_text().splitlines() if line.strip()]
-    # 16 lines a step, each truncated to 32 tokens: fewer tokens than 16 full blocks when lines are short
-    assert 16 * 8 <= first["tokens_seen"] <= 16 * 32 and len(lines) > 16
+    assert first["step"] == 1 and first["tokens_seen"] == int(batches[0]["attention_mask"].sum())
     assert yaml.safe_load((line_runs["batch"] / "config.yaml").read_text())["data"]["line_by_line"] is True
 
 
-def test_padding_to_max_length_changes_no_loss(line_runs: dict[str, Path]) -> None:
+def test_padding_to_max_length_changes_no_loss(line_runs: dict) -> None:
+    per_batch, to_max = line_runs["batch batches"], line_runs["max batches"]
+    assert [b["input_ids"].shape[1] for b in to_max] == [32] * 6
+    widths = [b["input_ids"].shape[1] for b in per_batch]
+    assert sum(width < 32 for width in widths) >= 3, widths  # measured: 28, 32, 28, 18, 23, 25
+    # the share of padding the model ran on: measured 56% padded per batch, 65% padded to 32
+    assert padding_share(per_batch) < padding_share(to_max) - 0.05
+    for a, b in zip(per_batch, to_max, strict=True):  # the same tokens and masks, only padded otherwise
+        width = a["input_ids"].shape[1]
+        assert (b["attention_mask"][:, width:] == 0).all()
+        for key in ("input_ids", "attention_mask", "labels"):
+            assert (a[key] == b[key][:, :width]).all(), key
+    # padded keys are masked out of attention, so only the order of fp32 sums differs (matmuls and
+    # softmaxes of other widths): a few ulps (fp32 epsilon 1.2e-7) per operation. Measured: 0 at five
+    # steps, 1.1e-7 at one. Letting the padding be attended to moved it by 1.8e-5 to 7.9e-5 (measured
+    # with the attention mask set to ones), so the bound sits between the two
     batch, padded = train_losses(line_runs["batch"]), train_losses(line_runs["max"])
-    assert max_rel_diff(batch, padded) <= 1e-4
+    assert sorted(batch) == list(range(1, 7)) and max_rel_diff(batch, padded) <= 1e-5
     assert read_metrics(line_runs["batch"])[-1]["tokens_seen"] == read_metrics(line_runs["max"])[-1]["tokens_seen"]
 
 
-def test_line_by_line_resumes_exactly(line_runs: dict[str, Path], tiny_model: Path, corpus: dict,
-                                      tmp_path: Path) -> None:
+def padding_share(batches: list[dict]) -> float:
+    slots = sum(b["attention_mask"].numel() for b in batches)
+    return 1 - sum(int(b["attention_mask"].sum()) for b in batches) / slots
+
+
+def test_line_by_line_resumes_exactly(line_runs: dict, tiny_model: Path, line_corpus: dict, tmp_path: Path) -> None:
     resumed = tmp_path / "resumed"
     shutil.copytree(line_runs["batch"] / "checkpoints" / "step-0000003", tmp_path / "step-0000003")
-    train(parse_args(tiny_args(tiny_model, corpus, resumed, *LINES, "--resume_from_checkpoint",
+    train(parse_args(tiny_args(tiny_model, line_corpus, resumed, *LINES, "--resume_from_checkpoint",
                                str(tmp_path / "step-0000003"))))
     straight, continued = train_losses(line_runs["batch"]), train_losses(resumed)
     assert sorted(continued) == [4, 5, 6]
     assert max(abs(straight[s] - continued[s]) / straight[s] for s in continued) <= 1e-5
 
 
-def test_line_by_line_on_two_processes_trains_the_one_process_curve(line_runs: dict[str, Path], tiny_model: Path,
-                                                                     corpus: dict, tmp_path: Path) -> None:
-    proc = launch_with("cpu_ddp.yaml", *tiny_args(tiny_model, corpus, tmp_path, *LINES,
+def test_line_by_line_on_two_processes_trains_the_one_process_curve(line_runs: dict, tiny_model: Path,
+                                                                     line_corpus: dict, tmp_path: Path) -> None:
+    proc = launch_with("cpu_ddp.yaml", *tiny_args(tiny_model, line_corpus, tmp_path, *LINES,
                                                   "--per_device_train_batch_size", "8", "--pad_to_max_length"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert re.search(r"lines of at most 32 tokens, [\d.]+ on average \([\d.]+% padding: every batch padded to 32\)",
@@ -170,9 +241,9 @@ def test_line_by_line_on_two_processes_trains_the_one_process_curve(line_runs: d
 # --- --gradient_checkpointing, the model card -----------------------------------------------------------
 
 
-def test_gradient_checkpointing_computes_the_same_loss(line_runs: dict[str, Path], tiny_model: Path, corpus: dict,
+def test_gradient_checkpointing_computes_the_same_loss(line_runs: dict, tiny_model: Path, line_corpus: dict,
                                                        tmp_path: Path) -> None:
-    train(parse_args(tiny_args(tiny_model, corpus, tmp_path, *LINES, "--gradient_checkpointing")))
+    train(parse_args(tiny_args(tiny_model, line_corpus, tmp_path, *LINES, "--gradient_checkpointing")))
     assert max_rel_diff(train_losses(line_runs["batch"]), train_losses(tmp_path)) <= 1e-5
 
 
