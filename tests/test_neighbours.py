@@ -6,11 +6,14 @@ nothing changed. (Generated configurations: tests/test_matrix.py.)"""
 from __future__ import annotations
 
 import json
+import math
 import re
 import shutil
 from pathlib import Path
 
 import pytest
+import torch
+from transformers import AutoModelForMaskedLM
 
 from mlm_ddp.checkpoint import SAFE_LOADING_TORCH, check_safe_loading
 from mlm_ddp.errors import EXIT_BAD_INPUT, BadInput
@@ -104,7 +107,15 @@ def test_a_model_without_sdpa_trains_with_eager_attention(tiny_deberta: Path, co
         assert main(tiny_args(tiny_deberta, corpus, out, "--max_train_steps", "2", *QUICK)) == 0
     assert "DebertaV2ForMaskedLM has no sdpa attention" in caplog.text
     assert re.search(r"model: DebertaV2ForMaskedLM, .*attention eager", caplog.text)
-    assert (out / "final" / "model.safetensors").exists()
+    # it trained: finite losses, the held-out loss (the same masks before and after) lower, new weights
+    losses = train_losses(out)
+    assert sorted(losses) == [1, 2] and all(math.isfinite(v) for v in losses.values())
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 2 and summary["eval_after"]["loss"] < summary["eval_before"]["loss"]
+    start, final = (AutoModelForMaskedLM.from_pretrained(path) for path in (tiny_deberta, out / "final"))
+    assert type(final).__name__ == "DebertaV2ForMaskedLM"
+    moved = [n for n, p in final.state_dict().items() if not torch.equal(p, start.state_dict()[n])]
+    assert {n.split(".")[1] for n in moved if n.startswith("deberta.")} >= {"embeddings", "encoder"}
 
 
 @pytest.mark.parametrize(("case", "message"), [

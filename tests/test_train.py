@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 import shutil
 from pathlib import Path
@@ -92,12 +93,29 @@ def test_accumulation_equals_a_bigger_batch(tiny_model: Path, corpus: dict, tmp_
 
 
 def test_streaming_whole_word_run(tiny_model: Path, corpus: dict, tmp_path: Path) -> None:
+    from transformers import AutoTokenizer
+
+    from mlm_ddp.masking import TRAIN_SPLIT, MaskingCollator
+    from tests.conftest import recorded_batches, words_masked
+
     out = tmp_path / "stream"
-    result = train(parse_args(tiny_args(tiny_model, corpus, out, "--streaming", "--max_train_steps", "4",
-                                        "--whole_word_mask")))
+    with recorded_batches() as made:
+        result = train(parse_args(tiny_args(tiny_model, corpus, out, "--streaming", "--max_train_steps", "4",
+                                            "--whole_word_mask")))
     assert result.steps == 4
-    assert [r["step"] for r in read_metrics(out) if "loss" in r] == [1, 2, 3, 4]
-    assert result.eval_before and result.eval_after
+    losses = train_losses(out)
+    assert sorted(losses) == [1, 2, 3, 4] and all(math.isfinite(v) for v in losses.values())
+    # the held-out masks are the same before and after: only the 4 updates lowered the loss
+    assert result.eval_after["loss"] < result.eval_before["loss"]
+    # what was trained: every word of two or more WordPiece pieces masked whole or not at all
+    special = AutoTokenizer.from_pretrained(tiny_model).all_special_ids
+    trained = [m for m in made if m[0] == TRAIN_SPLIT]
+    assert len(trained) >= 4 and all("word_continues" in e for _, examples, _ in trained for e in examples)
+    part, whole = words_masked(trained, special)
+    assert part == 0 and whole >= 10, (part, whole)  # measured: 17 to 25 such words, all masked whole
+    # the same blocks masked token by token split words: the check above can fail
+    per_token = MaskingCollator.for_tokenizer(AutoTokenizer.from_pretrained(tiny_model))
+    assert words_masked([(TRAIN_SPLIT, e, per_token(e)) for _, e, _ in trained], special)[0] > 0
 
 
 def test_embedded_default_runs_offline(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
