@@ -357,20 +357,29 @@ def head_learning_rate(model: MaskedLMLoss, training: TrainingConfig) -> float:
     return training.learning_rate * (HEAD_LR_FACTOR if fresh else 1.0)
 
 
+def head_parameters(model: PreTrainedModel) -> list[torch.nn.Parameter]:
+    """The masked-LM head's own parameters: the model's that are neither its encoder's (`base_model`)
+    nor tied to the input embeddings (the decoder weight that BERT, RoBERTa, DistilBERT, ELECTRA and
+    ModernBERT share with the word embeddings). Found by ownership, not by the head's attribute name,
+    which differs between families (cls, lm_head, vocab_transform + vocab_projector, head + decoder...)."""
+    encoder = {id(p) for p in model.base_model.parameters()} if model.base_model is not model else set()
+    tied = {id(p) for p in model.get_input_embeddings().parameters()}
+    return [p for p in model.parameters() if id(p) not in encoder and id(p) not in tied]
+
+
 def build_optimizer(model: MaskedLMLoss, training: TrainingConfig) -> torch.optim.Optimizer:
     """AdamW (--optimizer_impl); biases and normalisation weights (tensors with < 2 dims) get no weight
-    decay; the MLM head's own parameters (not the decoder, tied to the word embeddings) train at
-    `head_learning_rate` when it differs from --learning_rate."""
+    decay; the MLM head's own parameters (`head_parameters`) train at `head_learning_rate` when it
+    differs from --learning_rate."""
     params = [p for p in model.parameters() if p.requires_grad]
     head_lr = head_learning_rate(model, training)
     head: set[int] = set()
-    if head_lr != training.learning_rate and model.head_name is None:
-        logger.warning("%s has no single MLM head module (%s): every parameter trains at --learning_rate %g, "
-                       "none at the head's %g", type(model.model).__name__, " or ".join(MLM_HEAD_ATTRIBUTES),
-                       training.learning_rate, head_lr)
-    elif head_lr != training.learning_rate:
-        tied = {id(p) for p in model.model.get_input_embeddings().parameters()}
-        head = {id(p) for p in getattr(model.model, model.head_name).parameters()} - tied
+    if head_lr != training.learning_rate:
+        head = {id(p) for p in head_parameters(model.model)}
+        if not head:
+            logger.warning("%s has no parameters beside its encoder and the tied embeddings: every parameter "
+                           "trains at --learning_rate %g, none at the head's %g", type(model.model).__name__,
+                           training.learning_rate, head_lr)
     groups = []
     for in_head, lr in ((False, training.learning_rate), (True, head_lr)):
         part = [p for p in params if (id(p) in head) == in_head]
