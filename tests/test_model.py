@@ -139,14 +139,14 @@ def test_torch_compile_keeps_the_loss_and_the_checkpoint_keys() -> None:
 @pytest.mark.parametrize(("kind", "fresh", "head_lr", "expected_head_lr"), [
     ("bert", True, None, 1e-3), ("bert", False, None, None), ("bert", False, 5e-4, 5e-4),
     ("roberta", True, None, 1e-3),
-    ("distilbert", True, 2e-4, None),  # no single head module (as --mlm_head all): one rate, with a warning
+    ("distilbert", True, 2e-4, 2e-4),  # no single head module, but its head parameters are found all the same
 ])
 def test_a_fresh_head_trains_faster_but_never_the_tied_embeddings(kind: str, fresh: bool, head_lr: float | None,
                                                                    expected_head_lr: float | None) -> None:
     from accelerate.state import PartialState
 
     from mlm_ddp.config import from_dict
-    from mlm_ddp.model import FRESH_HEAD, build_optimizer
+    from mlm_ddp.model import FRESH_HEAD, build_optimizer, head_parameters
 
     PartialState()  # accelerate's logger, which the warning goes through, needs one
     model = MaskedLMLoss(tiny(kind))
@@ -155,7 +155,7 @@ def test_a_fresh_head_trains_faster_but_never_the_tied_embeddings(kind: str, fre
     optimizer = build_optimizer(model, from_dict({"learning_rate": 1e-4, "head_learning_rate": head_lr}).training)
     lr_of = {id(p): group["lr"] for group in optimizer.param_groups for p in group["params"]}
     assert len(lr_of) == len(list(model.parameters()))  # every parameter in exactly one group
-    head = {id(p) for p in getattr(model.model, model.head_name).parameters()} if model.head_name else set()
+    head = {id(p) for p in head_parameters(model.model)}
     embeddings = model.model.get_input_embeddings().weight
     assert lr_of[id(embeddings)] == 1e-4  # the decoder is these embeddings: pretrained, base rate
     for name, p in model.named_parameters():
