@@ -22,6 +22,7 @@ from tests.conftest import (
     CLUSTER,
     NO_DROPOUT,
     REPO,
+    SAME_STEPS,
     assert_matches_one_process,
     last_step,
     read_metrics,
@@ -105,7 +106,7 @@ def test_preemption_checkpoints_requeues_and_resumes(slurm: dict, uninterrupted:
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))  # none lost, none repeated
     assert json.loads((out / "summary.json").read_text())["steps"] == STEPS
     a, b = train_losses(uninterrupted), train_losses(out)
-    assert max(abs(a[s] - b[s]) / a[s] for s in a) <= 1e-5
+    assert max(abs(a[s] - b[s]) / a[s] for s in a) <= SAME_STEPS
 
 
 def test_a_two_node_checkpoint_resumes_on_one_node_with_the_same_losses(slurm: dict, uninterrupted: Path,
@@ -123,7 +124,7 @@ def test_a_two_node_checkpoint_resumes_on_one_node_with_the_same_losses(slurm: d
     assert f"resumed from {out / 'checkpoints' / half} at step {STEPS // 2}, written by 2 process(es)" in log
     a, b = train_losses(uninterrupted), train_losses(out)
     assert sorted(b) == list(range(STEPS // 2 + 1, STEPS + 1))
-    assert max(abs(a[s] - b[s]) / a[s] for s in b) <= 1e-5
+    assert max(abs(a[s] - b[s]) / a[s] for s in b) <= SAME_STEPS
 
 
 def test_overwrite_output_dir_is_refused_before_anything_runs(slurm: dict, tiny_model: Path, corpus: dict,

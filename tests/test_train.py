@@ -16,7 +16,16 @@ from mlm_ddp.config import parse_args
 from mlm_ddp.errors import BadInput
 from mlm_ddp.speed import training_flops_per_token
 from mlm_ddp.train import main, train
-from tests.conftest import NO_DROPOUT, REPO, TINY_PEAK_TFLOPS, read_metrics, run_module, tiny_args, train_losses
+from tests.conftest import (
+    NO_DROPOUT,
+    REPO,
+    SAME_STEPS,
+    TINY_PEAK_TFLOPS,
+    read_metrics,
+    run_module,
+    tiny_args,
+    train_losses,
+)
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +97,7 @@ def test_accumulation_equals_a_bigger_batch(tiny_model: Path, corpus: dict, tmp_
     a, b = train_losses(big), train_losses(acc)
     assert sorted(a) == sorted(b) == list(range(1, 7))
     for step in a:
-        assert b[step] == pytest.approx(a[step], rel=1e-5), step
+        assert b[step] == pytest.approx(a[step], rel=SAME_STEPS), step
     assert a[6] < a[1]
 
 
