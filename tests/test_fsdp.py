@@ -207,6 +207,41 @@ def test_final_is_the_whole_tied_model_and_evaluates_as_the_last_eval(
     assert first_eval["eval_loss"] == pytest.approx(last_eval["eval_loss"], rel=SAME_STEPS)
 
 
+@pytest.mark.parametrize("variant", [
+    # a stream read by both ranks, two micro-batches a step, whole words masked
+    ("--streaming", "--shuffle_buffer_size", "8", "--max_eval_samples", "16", "--gradient_accumulation_steps", "2",
+     "--whole_word_mask"),
+    # one line per sequence, padded per batch, three micro-batches a step (which do not divide the epoch)
+    ("--line_by_line", "--gradient_accumulation_steps", "3", "--per_device_train_batch_size", "4"),
+])
+def test_fsdp_trains_the_ddp_curve_on_the_data_paths_users_take(variant: tuple[str, ...], tiny_fresh_head: Path,
+                                                                corpus: dict, tmp_path: Path) -> None:
+    runs = {}
+    for config in ("cpu_ddp.yaml", "fsdp.yaml"):
+        train_two(config, tiny_fresh_head, corpus, tmp_path / config, "--max_train_steps", "6", *variant)
+        runs[config] = train_losses(tmp_path / config)
+    assert sorted(runs["fsdp.yaml"]) == list(range(1, 7))
+    assert max_rel_diff(runs["cpu_ddp.yaml"], runs["fsdp.yaml"]) <= SAME_STEPS
+
+
+def test_fsdp_with_dropout_resumes_into_another_folder_with_the_same_losses(
+        fresh_fsdp: tuple[Path, str], tiny_fresh_head: Path, corpus: dict, tmp_path: Path) -> None:
+    """Dropout on: the resumed run draws the masks the straight one drew, from every rank's restored RNG."""
+    dropout = ["--config_overrides", "hidden_dropout_prob=0.1,attention_probs_dropout_prob=0.1"]
+    straight = tmp_path / "straight"
+    train_two("fsdp.yaml", tiny_fresh_head, corpus, straight, "--max_train_steps", "8", "--checkpointing_steps", "4",
+              *dropout)
+    resumed = tmp_path / "resumed"
+    train_two("fsdp.yaml", tiny_fresh_head, corpus, resumed, "--max_train_steps", "8", "--resume_from_checkpoint",
+              str(straight / "checkpoints" / "step-0000004"), *dropout)
+    a, b = train_losses(straight), train_losses(resumed)
+    assert sorted(b) == [5, 6, 7, 8]
+    assert max(abs(a[s] - b[s]) / a[s] for s in b) <= SAME_STEPS
+    # dropout was on: the same steps without it (fresh_fsdp) have other losses
+    no_dropout = train_losses(fresh_fsdp[0])
+    assert max(abs(a[s] - no_dropout[s]) / no_dropout[s] for s in a) > 100 * SAME_STEPS
+
+
 def test_gradient_checkpointing_under_fsdp_trains_the_same_curve(fresh_fsdp: tuple[Path, str], tiny_fresh_head: Path,
                                                                    corpus: dict, tmp_path: Path) -> None:
     """Dropout off: recomputing each layer in the backward gives the same gradients, and the last layer
