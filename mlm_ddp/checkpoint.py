@@ -466,6 +466,16 @@ class Checkpointer:
         done = complete_checkpoints(self.out)
         return done[-1] if done else None
 
+    def agreed_latest(self) -> tuple[Path, TrainerState] | None:
+        """The newest complete checkpoint and its state as the main process reads them, on every rank (a
+        collective on the long-timeout group). Each rank listing the folder itself could disagree on a
+        filesystem with client caching (NFS) just after a save: some ranks would reload and others not,
+        and their collectives would go out of step."""
+        found = None
+        if self.accelerator.is_main_process and (latest := self.latest()) is not None:
+            found = (latest, read_state(latest))
+        return self.wait.broadcast(found)
+
     def save(self, state: TrainerState, data_state: dict | None = None) -> Path:
         """Every rank writes its part into a temporary folder; the main process completes and renames it.
 

@@ -246,6 +246,51 @@ def check_fsdp_plugin(plugin: Any, cuda: bool) -> None:
                        "fsdp_state_dict_type: SHARDED_STATE_DICT in the accelerate config")
 
 
+def network_interfaces() -> list[str]:
+    import socket
+
+    return [name for _, name in socket.if_nameindex()]
+
+
+def gloo_interface(env: Mapping[str, str], backend: str, interfaces: list[str]) -> str | None:
+    """The interface (GLOO_SOCKET_IFNAME) for mlm_ddp's gloo side group, which an NCCL job also needs: the
+    user's GLOO_SOCKET_IFNAME, checked; on NCCL, else the interface NCCL_SOCKET_IFNAME selects, so that the
+    side group takes the network NCCL was told to take (gloo alone resolves this host's name, which on
+    many clusters is the loopback or a management network); else None (gloo's own choice).
+
+    NCCL_SOCKET_IFNAME is a list of prefixes ("ib,eth"), of exact names after "=", or of exclusions after
+    "^"; exclusions name no interface, so gloo then keeps its own choice. Raises BadInput naming the
+    variable when no interface of this host matches.
+    """
+    from mlm_ddp.errors import BadInput
+
+    host = os.uname().nodename
+    if env.get("GLOO_SOCKET_IFNAME"):
+        missing = [name for name in env["GLOO_SOCKET_IFNAME"].split(",") if name not in interfaces]
+        if missing:
+            raise BadInput(f"GLOO_SOCKET_IFNAME={env['GLOO_SOCKET_IFNAME']}: {host} has no interface "
+                           f"{', '.join(missing)} (it has {', '.join(interfaces)}); export one of those")
+        return env["GLOO_SOCKET_IFNAME"]
+    wanted = env.get("NCCL_SOCKET_IFNAME", "").strip()
+    if backend != "nccl" or not wanted or wanted.startswith("^"):
+        return None
+    exact = wanted.startswith("=")
+    names = [name.strip() for name in wanted.lstrip("=").split(",") if name.strip()]
+    matches = [i for i in interfaces if any(i == n if exact else i.startswith(n) for n in names)]
+    if not matches:
+        raise BadInput(f"NCCL_SOCKET_IFNAME={wanted}: no interface of {host} matches (it has "
+                       f"{', '.join(interfaces)}); NCCL and mlm_ddp's gloo side group would have no network: "
+                       "export NCCL_SOCKET_IFNAME (and GLOO_SOCKET_IFNAME) with one of those")
+    return matches[0]
+
+
+def follow_nccl_interface(backend: str) -> None:
+    """Set GLOO_SOCKET_IFNAME for the gloo groups created after this (`gloo_interface`)."""
+    chosen = gloo_interface(os.environ, backend, network_interfaces())
+    if chosen and os.environ.get("GLOO_SOCKET_IFNAME") != chosen:
+        os.environ["GLOO_SOCKET_IFNAME"] = chosen
+
+
 class MainProcessWait:
     """The collectives in which the other processes wait while the main process alone works (the
     files of a checkpoint, final/, removing an earlier run, tokenizing): on a gloo group of their own
@@ -258,6 +303,7 @@ class MainProcessWait:
 
         self.group = None
         if num_processes > 1:
+            follow_nccl_interface(torch.distributed.get_backend())
             self.group = torch.distributed.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
 
     def barrier(self) -> None:
@@ -272,6 +318,26 @@ class MainProcessWait:
 
             torch.distributed.destroy_process_group(self.group)
             self.group = None
+
+    def broadcast(self, value: Any) -> Any:
+        """The main process's `value` (a small picklable object), on every rank."""
+        if self.group is None:
+            return value
+        import torch
+
+        box = [value]
+        torch.distributed.broadcast_object_list(box, src=0, group=self.group)
+        return box[0]
+
+    def gather(self, value: Any) -> list[Any]:
+        """Every rank's `value` (a small picklable object), in rank order, on every rank."""
+        if self.group is None:
+            return [value]
+        import torch
+
+        values: list[Any] = [None] * torch.distributed.get_world_size(self.group)
+        torch.distributed.all_gather_object(values, value, group=self.group)
+        return values
 
     def any(self, flag: bool) -> bool:
         """True on every rank when `flag` is true on any rank."""

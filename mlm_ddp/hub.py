@@ -22,15 +22,19 @@ def offline() -> bool:
     return bool(constants.HF_HUB_OFFLINE) or bool(getattr(constants, "is_offline_mode", lambda: False)())
 
 
-def check_hub(run: RunConfig) -> str | None:
-    """The repository --push_to_hub uploads to, after checking that it can (None: no push). Every
-    rank may call it: it only reads (who the token belongs to)."""
+def check_hub(run: RunConfig, uploads: bool) -> str | None:
+    """The repository --push_to_hub uploads to, after checking that it can (None: no push, or this
+    process does not upload). Every rank checks that the Hub is not switched off; only the one that
+    `uploads` (rank 0) asks the Hub who the token belongs to: 512 ranks asking at once would meet the
+    Hub's rate limit on some of them, and those alone would stop."""
     if not run.push_to_hub:
         return None
     if offline():
         raise BadInput("--push_to_hub: the Hub is switched off here (HF_HUB_OFFLINE is set), so the upload at the "
                        "end would fail after training; unset HF_HUB_OFFLINE or drop --push_to_hub (final/ is "
                        "uploadable later with `hf upload REPO OUTPUT_DIR/final`)")
+    if not uploads:
+        return None
     from huggingface_hub import HfApi
 
     try:

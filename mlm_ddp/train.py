@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any, NoReturn
 
 import datasets
@@ -94,7 +95,7 @@ class Checked:
     accepted_changes: dict  # settings the resumed checkpoint was written with that this run changes
     written_by: int  # processes that wrote the resumed checkpoint (this run's, when starting afresh)
     trackers: list[str]
-    hub_repo: str | None  # where --push_to_hub uploads final/
+    hub_repo: str | None  # where --push_to_hub uploads final/ (rank 0, which uploads; None elsewhere)
     raw_train: Any
     raw_eval: Any
     resume_note: str | None = None  # what a stream resumed on another number of processes skips
@@ -132,7 +133,7 @@ def preflight(cfg: Config) -> Checked:
         metrics = folder.path / "metrics.jsonl"
         if plan.own_checkpoint and metrics.exists():
             read_metrics_lines(metrics)  # a damaged line stops every rank here, not rank 0 later
-    trackers, hub_repo = check_trackers(cfg.run), check_hub(cfg.run)
+    trackers, hub_repo = check_trackers(cfg.run), check_hub(cfg.run, uploads=topo.rank == 0)
     raw_train, raw_eval = mdata.load_text(cfg.data, cfg.training.seed)
     written_by, note = start.world_size, None
     if cfg.data.streaming and written_by != topo.world_size:
@@ -192,6 +193,7 @@ def build(cfg: Config, checked: Checked, hooks: Hooks) -> Training:
         checked.topo, checked.fsdp_plugin, cfg.training, checked.precision[0], cfg.run.ddp_timeout, checked.trackers,
         project_dir=str(checked.folder.path / "logs"))  # TensorBoard writes into logs/<TRACKING_PROJECT>/
     wait = distributed.MainProcessWait(accelerator.num_processes, cfg.run.save_timeout)
+    agree_on_resume(checked.plan.resume_from, wait)
     transformers_model = load_weights(cfg, checked, accelerator)
     data = mdata.rank_data(cfg.data, cfg.training, checked.tokenizer, checked.raw_train, checked.raw_eval,
                            accelerator, cfg.run.preprocessing_timeout, checked.start.layout_batch)
@@ -226,6 +228,19 @@ def build(cfg: Config, checked: Checked, hooks: Hooks) -> Training:
                                                                       cfg.run.loss_spike_window)
     return Training(cfg, checked, accelerator, wait, data, model, optimizer, scheduler, feed, stream_state, log,
                     evaluator, checkpointer, heartbeat, hooks, guard)
+
+
+def agree_on_resume(resume_from: Path | None, wait: distributed.MainProcessWait) -> None:
+    """Every rank found the same checkpoint to resume from (each resolved `latest`/`auto` from its own view
+    of the folder, before the processes could talk), or every rank stops here, before anything is written
+    (a collective on the long-timeout group)."""
+    views = wait.gather(None if resume_from is None else str(resume_from))
+    if len(set(views)) > 1:
+        seen = "; ".join(f"rank {rank}: {view or 'none (a fresh start)'}" for rank, view in enumerate(views)
+                         if view != views[0] or rank == 0)
+        raise BadInput(f"the processes found different checkpoints to resume from ({seen}): the output folder "
+                       "looks different from different nodes (a filesystem that caches listings, or a copy per "
+                       "node); let it settle and launch again, or pass --resume_from_checkpoint with one folder")
 
 
 def utilisation(cfg: Config, checked: Checked, accelerator: Accelerator, model: torch.nn.Module) -> Utilisation | None:
@@ -405,10 +420,12 @@ def roll_back(run: Training, step: int, at: mdata.FeedPosition, spike: Spike) ->
     checkpoint's step. None: no rollback (the mode is 'skip', or no checkpoint of this number of
     processes exists yet: another number's data positions are not this run's); the update is
     skipped instead."""
-    latest = run.checkpointer.latest()
-    if run.cfg.run.on_loss_spike != "rollback" or latest is None:
+    if run.cfg.run.on_loss_spike != "rollback":
         return None
-    saved = ckpt.read_state(latest)
+    agreed = run.checkpointer.agreed_latest()  # every rank decides alike, whatever its view of the folder
+    if agreed is None:
+        return None
+    latest, saved = agreed
     if saved.world_size != run.accelerator.num_processes:
         return None
     run.checkpointer.restore(latest, {}, saved.step)

@@ -1,0 +1,79 @@
+"""Decisions that lead to a collective are taken once and agreed across ranks (issue 30): the newest
+checkpoint a rollback reloads and the checkpoint a run resumes from (a filesystem that caches listings
+can show ranks different folders), the Hub check (rank 0 alone asks), and the gloo side group's network
+interface on NCCL jobs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from mlm_ddp.config import RunConfig
+from mlm_ddp.distributed import gloo_interface
+from mlm_ddp.errors import BadInput
+from tests.conftest import run_module
+from tests.test_topology import CONFIGS, LAUNCH, free_port
+
+
+def test_ranks_with_different_views_of_the_folder_agree_on_rank_0s_checkpoint_or_stop(tmp_path: Path) -> None:
+    proc = run_module([*LAUNCH, "--config_file", str(CONFIGS / "cpu_ddp.yaml"), "--num_processes", "2",
+                       "--main_process_port", str(free_port()), "-m", "tests.agreement_driver", str(tmp_path)],
+                      env={"ACCELERATE_USE_CPU": "true"}, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = sorted((json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")),
+                   key=lambda r: r["rank"])
+    assert [r["own"] for r in lines] == ["step-0000004", "step-0000002"]  # what each rank's listing says
+    # a rollback reloads what rank 0 found, on both
+    assert [(r["agreed"], r["agreed_step"]) for r in lines] == [("step-0000004", 4)] * 2
+    # a resume from different checkpoints stops on every rank, naming both views
+    for record in lines:
+        assert "found different checkpoints to resume from" in record["refused"]
+        assert "rank 0: " in record["refused"] and "step-0000004" in record["refused"]
+        assert "rank 1: " in record["refused"] and "step-0000002" in record["refused"]
+
+
+def test_only_the_uploading_rank_asks_the_hub(monkeypatch: pytest.MonkeyPatch) -> None:
+    import huggingface_hub
+
+    from mlm_ddp import hub
+
+    asked: list[str] = []
+    monkeypatch.setattr(hub, "offline", lambda: False)
+    monkeypatch.setattr(huggingface_hub.HfApi, "whoami", lambda self: asked.append("whoami") or {"name": "me"})
+    run = RunConfig(output_dir="/tmp/run-name", push_to_hub=True)
+    assert hub.check_hub(run, uploads=False) is None and asked == []
+    assert hub.check_hub(run, uploads=True) == "me/run-name" and asked == ["whoami"]
+    monkeypatch.setattr(hub, "offline", lambda: True)  # switched off: refused on every rank, uploading or not
+    with pytest.raises(BadInput, match="HF_HUB_OFFLINE"):
+        hub.check_hub(run, uploads=False)
+
+
+HOST = ["lo", "eth0", "eth1", "ib0", "docker0"]
+
+
+@pytest.mark.parametrize(("env", "backend", "expected"), [
+    ({}, "nccl", None),  # nothing said: gloo's own choice
+    ({"NCCL_SOCKET_IFNAME": "ib"}, "nccl", "ib0"),  # a prefix, as NCCL reads it
+    ({"NCCL_SOCKET_IFNAME": "=eth1"}, "nccl", "eth1"),  # an exact name
+    ({"NCCL_SOCKET_IFNAME": "ib,eth"}, "nccl", "eth0"),  # the first interface of this host that matches
+    ({"NCCL_SOCKET_IFNAME": "^docker,lo"}, "nccl", None),  # exclusions name no interface
+    ({"NCCL_SOCKET_IFNAME": "ib"}, "gloo", None),  # a CPU job: NCCL's variable does not apply
+    ({"NCCL_SOCKET_IFNAME": "ib", "GLOO_SOCKET_IFNAME": "eth1"}, "nccl", "eth1"),  # the user's own wins
+    ({"GLOO_SOCKET_IFNAME": "eth0"}, "gloo", "eth0"),
+])
+def test_the_gloo_side_group_takes_the_network_nccl_was_told_to_take(env: dict, backend: str,
+                                                                     expected: str | None) -> None:
+    assert gloo_interface(env, backend, HOST) == expected
+
+
+@pytest.mark.parametrize(("env", "named"), [
+    ({"NCCL_SOCKET_IFNAME": "ens"}, "NCCL_SOCKET_IFNAME=ens: no interface of"),
+    ({"NCCL_SOCKET_IFNAME": "=eth"}, "NCCL_SOCKET_IFNAME==eth: no interface of"),  # exact: eth0 is not eth
+    ({"GLOO_SOCKET_IFNAME": "eth0,ens5"}, "GLOO_SOCKET_IFNAME=eth0,ens5: .* has no interface ens5"),
+])
+def test_an_interface_the_host_lacks_is_refused_naming_the_variable(env: dict, named: str) -> None:
+    with pytest.raises(BadInput, match=named) as err:
+        gloo_interface(env, "nccl", HOST)
+    assert "lo, eth0, eth1, ib0, docker0" in str(err.value)
