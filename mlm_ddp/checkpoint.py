@@ -29,6 +29,7 @@ import yaml
 from accelerate.logging import get_logger
 
 from mlm_ddp.config import RunConfig
+from mlm_ddp.distributed import patient_collectives
 from mlm_ddp.errors import BadInput, CheckpointWriteError
 
 logger = get_logger(__name__)
@@ -448,6 +449,8 @@ class Checkpointer:
     def __init__(self, run: RunConfig, accelerator: Any, wait: Any, scheduler: Any, config_yaml: str,
                  resumed_step: int | None, before_marker: Callable[[], None] | None = None) -> None:
         self.out, self.every, self.keep = Path(run.output_dir), run.checkpointing_steps, run.save_total_limit
+        # saves and loads: their collectives (FSDP, torch.distributed.checkpoint) wait --save_timeout
+        self.patient = functools.partial(patient_collectives, run.save_timeout, run.ddp_timeout)
         self.accelerator, self.wait, self.scheduler = accelerator, wait, scheduler
         self.config_yaml, self.before_marker = config_yaml, before_marker
         self.saved_step = resumed_step  # the step of this run's newest complete checkpoint
@@ -489,7 +492,8 @@ class Checkpointer:
         self.wait.barrier()
         error: Exception | None = None
         try:
-            accelerator.save_state(str(tmp))
+            with self.patient():
+                accelerator.save_state(str(tmp))
             if data_state is not None:  # this rank's stream position
                 (tmp / data_state_name(accelerator.process_index)).write_text(json.dumps(data_state))
             if not is_main:  # the main process fsyncs the whole folder in `finalize`
@@ -542,7 +546,8 @@ class Checkpointer:
         for key, (old, new) in accepted_changes.items():
             logger.info("resuming with a changed setting: %s %r -> %r", key, old, new)
         try:
-            self.accelerator.load_state(str(path))
+            with self.patient():
+                self.accelerator.load_state(str(path))
             self.scheduler.load_state_dict(json.loads((path / SCHEDULER_FILE).read_text()))
             # accelerate restores its micro-batch counter, which decides the micro-batch that all-reduces
             # the gradients: recount it for this run's accumulation (a resume may change it)

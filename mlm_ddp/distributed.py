@@ -403,6 +403,25 @@ def gather_rows(accelerator: Any, values: list[float]) -> list[list[float]]:
 
 
 @contextmanager
+def patient_collectives(timeout_s: int, usual_s: int) -> Iterator[None]:
+    """The training group's collectives wait up to `timeout_s` inside the block (a checkpoint's save or
+    load: FSDP's and torch.distributed.checkpoint's collectives run on that group, and one slow shard write
+    must not trip --ddp_timeout, after which NCCL's watchdog ends every process), `usual_s` again after."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    change = getattr(distributed_c10d, "_set_pg_timeout", None)  # torch >= 2.2; without it: --ddp_timeout
+    if not dist.is_initialized() or change is None or timeout_s <= usual_s:
+        yield
+        return
+    change(timedelta(seconds=timeout_s))
+    try:
+        yield
+    finally:
+        change(timedelta(seconds=usual_s))
+
+
+@contextmanager
 def patient_main_process_first(accelerator: Any, timeout_s: int) -> Iterator[None]:
     """Like accelerate's main_process_first, but the others wait on a group of their own with a long
     timeout: tokenizing a large corpus must not trip --ddp_timeout (transformers #17106)."""

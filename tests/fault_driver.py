@@ -7,6 +7,8 @@ production code's environment:
   the other ranks wait for the main process.
 - `--freeze RANK:STEP:PHASE`: rank RANK stops itself with SIGSTOP right after its heartbeat enters
   PHASE of step STEP (a hung rank, as a dead node or a stuck read leaves it).
+- `--slow_shard_write RANK:S`: rank RANK sleeps S seconds in torch.distributed.checkpoint's writing of
+  its shards (an FSDP save on a slow disk), while the other ranks wait in the save's collectives.
 - `--spike STEP:FACTOR`: the first micro-batch of step STEP has its loss multiplied by FACTOR on every
   rank, once (a replay of that step after a rollback is not spiked again).
 
@@ -47,12 +49,30 @@ class OneSpike:
         return self.factor
 
 
+def slow_shard_writes(where: str) -> None:
+    rank, seconds = where.split(":")
+    if os.environ.get("RANK") != rank:
+        return
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    write = FileSystemWriter.write_data
+
+    def slow(self: FileSystemWriter, *args: object, **kwargs: object) -> object:
+        time.sleep(float(seconds))
+        return write(self, *args, **kwargs)
+
+    FileSystemWriter.write_data = slow
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tests.fault_driver", allow_abbrev=False)
     parser.add_argument("--slow_save_s", type=float)
     parser.add_argument("--freeze", metavar="RANK:STEP:PHASE")
     parser.add_argument("--spike", metavar="STEP:FACTOR")
+    parser.add_argument("--slow_shard_write", metavar="RANK:S")
     faults, train_argv = parser.parse_known_args(argv)
+    if faults.slow_shard_write is not None:
+        slow_shard_writes(faults.slow_shard_write)
     slow = None if faults.slow_save_s is None else functools.partial(time.sleep, faults.slow_save_s)
     freeze = None if faults.freeze is None else functools.partial(freeze_at, faults.freeze)
     spike = None if faults.spike is None else OneSpike(faults.spike)

@@ -295,6 +295,21 @@ def test_bf16_trains_within_bf16_rounding_of_fp32(config: str, fresh_fsdp: tuple
         assert {t.dtype for t in load_file(str(saved / "model.safetensors")).values()} == {torch.float32}
 
 
+@pytest.mark.parametrize(("save_timeout", "finishes"), [(60, True), (3, False)])
+def test_a_slow_shard_write_waits_for_save_timeout_not_ddp_timeout(save_timeout: int, finishes: bool,
+                                                                   tiny_fresh_head: Path, corpus: dict,
+                                                                   tmp_path: Path) -> None:
+    """Rank 1 writes its shards 8 s late; rank 0 waits in the sharded save's collectives on the training
+    group, whose --ddp_timeout is 3 s. With --save_timeout 60 the save waits and the run finishes (without
+    mlm_ddp's patient_collectives it failed after 3 s, tried by hand); --save_timeout 3 still bounds it."""
+    out = tmp_path / "run"
+    proc = run_module(launch("fsdp.yaml", tiny_fresh_head, corpus, out, "--max_train_steps", "2",
+                             "--checkpointing_steps", "2", "--ddp_timeout", "3", "--save_timeout", str(save_timeout),
+                             module=("tests.fault_driver", "--slow_shard_write", "1:8")), env=FSDP_ENV, timeout=300)
+    assert (proc.returncode == 0) == finishes, proc.stderr[-3000:]
+    assert (out / "checkpoints" / "step-0000002" / ckpt.MARKER).exists() == finishes
+
+
 def test_kill_9_during_a_sharded_save_leaves_nothing_latest_would_pick(tiny_model: Path, corpus: dict,
                                                                      tmp_path: Path) -> None:
     out = tmp_path / "run"
