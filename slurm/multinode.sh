@@ -6,6 +6,12 @@
 #
 # Edit the #SBATCH lines for your cluster (and nothing else). With GPUs, one process per GPU of a node
 # (--gpus-per-node); without, PROCS_PER_NODE CPU processes per node (default 1) over gloo.
+# CPUs: each node runs one task, the launcher, and it gets every CPU the job holds on that node; its
+# processes share them, each with an equal share of threads (OMP_NUM_THREADS, at least 1). So request
+# CPUs per node, not per process: --cpus-per-task=2 suits the CPU default (one process per node); on a
+# GPU node request its cores, with --exclusive (the whole node) or --cpus-per-task=<cores> (to share
+# it): one per GPU process at least, plus its --dataloader_num_workers. Not --cpus-per-gpu: the script
+# passes srun --cpus-per-task, which srun does not combine with it.
 # Preemption or the time limit: Slurm sends USR1 to this script 120 s early (--signal); every process
 # finishes its step, all save one checkpoint, and the job requeues itself. The requeued job resumes
 # from that checkpoint (--resume_from_checkpoint auto), so no step is lost or repeated. The save has
@@ -20,6 +26,7 @@
 #SBATCH --ntasks-per-node=1
 #SBATCH --cpus-per-task=2
 ##SBATCH --gpus-per-node=8
+##SBATCH --exclusive
 #SBATCH --time=24:00:00
 #SBATCH --output=mlm_ddp-%j.out
 #SBATCH --error=mlm_ddp-%j.out
@@ -85,9 +92,36 @@ else
     PROCS_PER_NODE=${PROCS_PER_NODE:-1}
     export ACCELERATE_USE_CPU=true
 fi
-export MASTER_ADDR MASTER_PORT PROCS_PER_NODE config
+[[ $PROCS_PER_NODE =~ ^[1-9][0-9]*$ ]] ||
+    die "PROCS_PER_NODE='$PROCS_PER_NODE': processes per node must be a whole number, at least 1 (export PROCS_PER_NODE=2)"
+
+# The CPUs of each node's launcher task: every CPU the job holds on a node, the fewest where nodes
+# differ (SLURM_JOB_CPUS_PER_NODE reads e.g. "72(x2),36"). They go to srun explicitly: since Slurm 22.05
+# srun no longer inherits sbatch's --cpus-per-task ("srun will no longer read in SLURM_CPUS_PER_TASK",
+# release notes of 22.05, https://slurm.schedmd.com/news.html; sbatch(1), --cpus-per-task: "It must be
+# requested again with the call to srun"). Each process gets an equal share as threads: accelerate
+# launch exports it as OMP_NUM_THREADS, where torch and the data loaders start from (left alone, it
+# exports the submitter's OMP_NUM_THREADS, else 1).
+job_cpus=${SLURM_JOB_CPUS_PER_NODE:-}
+CPUS_PER_TASK=0
+for cpus in ${job_cpus//,/ }; do
+    cpus=${cpus%%(*}
+    if [[ $cpus =~ ^[1-9][0-9]*$ ]] && ((CPUS_PER_TASK == 0 || cpus < CPUS_PER_TASK)); then
+        CPUS_PER_TASK=$cpus
+    fi
+done
+((CPUS_PER_TASK > 0)) || CPUS_PER_TASK=${SLURM_CPUS_ON_NODE:-${SLURM_CPUS_PER_TASK:-1}}
+THREADS_PER_PROCESS=$((CPUS_PER_TASK / PROCS_PER_NODE))
+((THREADS_PER_PROCESS >= 1)) || THREADS_PER_PROCESS=1
+export MASTER_ADDR MASTER_PORT PROCS_PER_NODE THREADS_PER_PROCESS config
 echo "mlm_ddp: job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}): $SLURM_NNODES node(s) x $PROCS_PER_NODE" \
      "process(es), master $MASTER_ADDR:$MASTER_PORT"
+echo "mlm_ddp: $CPUS_PER_TASK CPU(s) per task (one task per node: srun --cpus-per-task=$CPUS_PER_TASK)," \
+     "$PROCS_PER_NODE process(es) per node, $THREADS_PER_PROCESS thread(s) per process"
+if ((CPUS_PER_TASK < PROCS_PER_NODE)); then
+    echo "mlm_ddp: warning: $CPUS_PER_TASK CPU(s) for the $PROCS_PER_NODE process(es) of each node: they and their" \
+         "data loaders share cores; request the node's cores (#SBATCH --exclusive, or --cpus-per-task)"
+fi
 
 # On the warning (USR1), SIGTERM goes to every process of the step (scancel --signal does not cancel
 # it; signalling srun would): the training processes agree at the next step boundary, save one
@@ -117,12 +151,13 @@ trap on_cancel TERM
 # pass the common soft limit of 1024 (README "At scale"). srun passes this limit on to the tasks.
 ulimit -n "$(ulimit -Hn)" 2>/dev/null || true
 
-# One task per node runs accelerate launch (exec: the task is the launcher); $SLURM_NODEID is
-# expanded inside the step, on each node.
+# One task per node runs accelerate launch (exec: the task is the launcher) with the node's CPUs;
+# $SLURM_NODEID is expanded inside the step, on each node.
 # shellcheck disable=SC2016  # expanded by the inner bash, on each node
-srun --kill-on-bad-exit=0 bash -c 'exec accelerate launch --config_file "$config" \
+srun --kill-on-bad-exit=0 --ntasks="$SLURM_NNODES" --ntasks-per-node=1 --cpus-per-task="$CPUS_PER_TASK" \
+    bash -c 'exec accelerate launch --config_file "$config" \
     --num_machines "$SLURM_NNODES" --machine_rank "$SLURM_NODEID" \
-    --num_processes $((SLURM_NNODES * PROCS_PER_NODE)) \
+    --num_processes $((SLURM_NNODES * PROCS_PER_NODE)) --num_cpu_threads_per_process "$THREADS_PER_PROCESS" \
     --main_process_ip "$MASTER_ADDR" --main_process_port "$MASTER_PORT" --rdzv_backend static \
     -m mlm_ddp.train --resume_from_checkpoint auto "$@"' bash "$@" &
 step_pid=$!
