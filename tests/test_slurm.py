@@ -1,8 +1,9 @@
 """`sbatch slurm/multinode.sh` on a real two-node Slurm cluster (tests/slurm_cluster.sh): one process
 group across the nodes, the loss curve of a local run, a preemption that checkpoints, requeues and
-resumes without losing or repeating a step, a cancel that saves and stays cancelled, and the launch
+resumes without losing or repeating a step, a cancel that saves and stays cancelled, the launch
 paths that must end at once or recover (--overwrite_output_dir, an earlier attempt that saved no
-checkpoint, a taken port)."""
+checkpoint, a taken port), and the CPUs each node's launcher gets from srun and shares among its
+processes as threads."""
 
 from __future__ import annotations
 
@@ -66,17 +67,73 @@ def wait_done(env: dict, job: str, timeout: float) -> str:
     raise AssertionError(f"job {job} still {job_state(env, job)} after {timeout} s")
 
 
+def step_processes(job: str) -> list[dict[str, str]]:
+    """The environments of the job's step-0 processes now running (the fixture's nodes are this machine):
+    each node's launcher task (accelerate launch) and the training processes it started."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            raw = (proc / "environ").read_bytes()
+        except OSError:  # not a process, gone, or not ours to read
+            continue
+        env = dict(entry.split("=", 1) for entry in raw.decode(errors="replace").split("\0") if "=" in entry)
+        if env.get("SLURM_JOB_ID") == job and env.get("SLURM_STEP_ID") == "0":
+            found.append(env)
+    return found
+
+
+def wait_done_watching(env: dict, job: str, timeout: float) -> tuple[str, dict[str, dict]]:
+    """wait_done, and what the step's processes saw while the job ran, per node: the launcher task's
+    environment (what srun gave it) and the OMP_NUM_THREADS of each training process (what accelerate
+    launch gave them), e.g. {"n1": {"launcher": {...}, "omp": {"0": "2"}}}."""
+    seen: dict[str, dict] = {}
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for proc in step_processes(job):
+            node = seen.setdefault(proc.get("SLURMD_NODENAME", "?"), {"launcher": None, "omp": {}})
+            if "LOCAL_RANK" in proc:  # a training process: torchrun numbers them on each node
+                node["omp"][proc["LOCAL_RANK"]] = proc.get("OMP_NUM_THREADS")
+            else:
+                node["launcher"] = proc
+        state = job_state(env, job)
+        if state in ENDED:
+            return state, seen
+        time.sleep(0.25)
+    raise AssertionError(f"job {job} still {job_state(env, job)} after {timeout} s")
+
+
+def assert_cpus(log: str, seen: dict[str, dict], nodes: tuple[str, ...], cpus: int, threads: int) -> None:
+    """The job chose `cpus` CPUs for each node's launcher task and `threads` threads for each of its (one)
+    process, and said so; srun gave the launcher those CPUs, and accelerate launch the process those threads."""
+    assert (f"mlm_ddp: {cpus} CPU(s) per task (one task per node: srun --cpus-per-task={cpus}), 1 process(es) "
+            f"per node, {threads} thread(s) per process") in log, log[-3000:]
+    assert sorted(seen) == sorted(nodes), seen.keys()
+    for node in nodes:
+        assert seen[node]["launcher"]["SLURM_CPUS_PER_TASK"] == str(cpus), (node, seen[node]["launcher"])
+        assert seen[node]["omp"] == {"0": str(threads)}, (node, seen[node]["omp"])
+
+
 def job_args(tiny_model: Path, corpus: dict, out: Path) -> list[str]:
     return tiny_args(tiny_model, corpus, out, "--max_train_steps", str(STEPS), "--checkpointing_steps",
                      str(STEPS // 2), *NO_DROPOUT)
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(slurm: dict, tiny_model: Path, corpus: dict, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def uninterrupted_run(slurm: dict, tiny_model: Path, corpus: dict,
+                      tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The job as shipped (#SBATCH lines unchanged), run to the end: its output folder, log, and what its
+    step's processes saw (wait_done_watching)."""
     out = tmp_path_factory.mktemp("sbatch") / "run"
     job = sbatch(slurm, out, *job_args(tiny_model, corpus, out))
-    assert wait_done(slurm, job, 300) == "COMPLETED", (out.parent / f"job-{job}.out").read_text()[-3000:]
-    return out
+    state, seen = wait_done_watching(slurm, job, 300)
+    log = (out.parent / f"job-{job}.out").read_text()
+    assert state == "COMPLETED", log[-3000:]
+    return {"out": out, "log": log, "seen": seen}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(uninterrupted_run: dict) -> Path:
+    return uninterrupted_run["out"]
 
 
 def test_two_nodes_form_one_group_and_train_the_local_curve(uninterrupted: Path, tiny_model: Path, corpus: dict,
@@ -86,6 +143,12 @@ def test_two_nodes_form_one_group_and_train_the_local_curve(uninterrupted: Path,
     assert "topology: 2 process(es) on 2 node(s), DistributedType.MULTI_CPU, started by torchrun (master n1:" in log
     # the same global batch (2 nodes x 8) in one local process
     assert_matches_one_process(uninterrupted, tiny_model, corpus, tmp_path, STEPS)
+
+
+def test_srun_gives_each_node_s_launcher_the_job_s_cpus_and_its_process_as_many_threads(
+        uninterrupted_run: dict) -> None:
+    # #SBATCH --cpus-per-task=2 on each node: srun must be given them again (Slurm >= 22.05)
+    assert_cpus(uninterrupted_run["log"], uninterrupted_run["seen"], ("n1", "n2"), cpus=2, threads=2)
 
 
 def test_preemption_checkpoints_requeues_and_resumes(slurm: dict, uninterrupted: Path, tiny_model: Path,
@@ -112,15 +175,20 @@ def test_preemption_checkpoints_requeues_and_resumes(slurm: dict, uninterrupted:
 def test_a_two_node_checkpoint_resumes_on_one_node_with_the_same_losses(slurm: dict, uninterrupted: Path,
                                                                           tiny_model: Path, corpus: dict,
                                                                           tmp_path: Path) -> None:
-    # the requeued job came back on one node: the per-device batch doubles, the global batch stays 16
+    # the requeued job came back on one node: the per-device batch doubles, the global batch stays 16.
+    # It holds the whole node (--exclusive: 2 CPUs) while --cpus-per-task says 1: the launcher gets the
+    # node's 2, which only an explicit srun --cpus-per-task gives it (srun alone would pass on the 1).
     out = tmp_path / "run"
     half = f"step-{STEPS // 2:07d}"
     shutil.copytree(uninterrupted / "checkpoints" / half, out / "checkpoints" / half)
     job = sbatch(slurm, out, *job_args(tiny_model, corpus, out), "--per_device_train_batch_size", "16",
-                 options=("--nodes=1",))
-    assert wait_done(slurm, job, 300) == "COMPLETED", (tmp_path / f"job-{job}.out").read_text()[-3000:]
+                 options=("--nodes=1", "--exclusive", "--cpus-per-task=1"))
+    state, seen = wait_done_watching(slurm, job, 300)
     log = (tmp_path / f"job-{job}.out").read_text()
+    assert state == "COMPLETED", log[-3000:]
     assert "topology: 1 process(es) on 1 node(s)" in log
+    [node] = seen
+    assert_cpus(log, seen, (node,), cpus=2, threads=2)
     assert f"resumed from {out / 'checkpoints' / half} at step {STEPS // 2}, written by 2 process(es)" in log
     a, b = train_losses(uninterrupted), train_losses(out)
     assert sorted(b) == list(range(STEPS // 2 + 1, STEPS + 1))
@@ -164,9 +232,11 @@ def test_scancel_saves_a_checkpoint_and_does_not_requeue(slurm: dict, tiny_model
 @pytest.fixture(scope="module")
 def over_a_dead_attempt_on_a_taken_port(slurm: dict, tiny_model: Path, corpus: dict,
                                         tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """One job for two launch paths: --output_dir holds an earlier attempt of the same run that died
+    """One job for three launch paths: --output_dir holds an earlier attempt of the same run that died
     (SIGKILL: a node failure, an OOM kill) before its first checkpoint, which is what a requeued job
-    finds then; and another program listens on the job-id port of the master node."""
+    finds then; another program listens on the job-id port of the master node; and the job holds one
+    CPU per node, fewer than this machine's 2 cores: that one is each node's launcher's, and its
+    process's one thread."""
     out = tmp_path_factory.mktemp("dead_attempt") / "run"
     args = job_args(tiny_model, corpus, out)
     first = subprocess.Popen([sys.executable, "-m", "mlm_ddp.train", "--resume_from_checkpoint", "auto", *args],
@@ -177,18 +247,18 @@ def over_a_dead_attempt_on_a_taken_port(slurm: dict, tiny_model: Path, corpus: d
         first.send_signal(signal.SIGKILL)
         first.wait()
     assert not (out / "checkpoints").exists() and not (out / "summary.json").exists()
-    job = sbatch(slurm, out, *args, options=("--hold",))  # held: its port is known before it runs
+    job = sbatch(slurm, out, *args, options=("--hold", "--cpus-per-task=1"))  # held: its port is known
     port = 15000 + int(job) % 15000
     with socket.socket() as taken:  # the test and both nodes share this machine's ports
         taken.bind(("", port))
         taken.listen()
         subprocess.run(["scontrol", "release", job], env=slurm, check=True)
         try:
-            state = wait_done(slurm, job, 300)
+            state, seen = wait_done_watching(slurm, job, 300)
         except AssertionError:
             subprocess.run(["scancel", job], env=slurm)  # a rendezvous on a taken port hangs
             raise
-    return {"out": out, "job": job, "port": port, "state": state,
+    return {"out": out, "job": job, "port": port, "state": state, "seen": seen,
             "log": (out.parent / f"job-{job}.out").read_text()}
 
 
@@ -207,6 +277,59 @@ def test_an_attempt_that_died_before_its_first_checkpoint_is_started_over(
     assert run["state"] == "COMPLETED", run["log"][-3000:]
     assert json.loads((out / "summary.json").read_text())["steps"] == STEPS
     assert [r["step"] for r in read_metrics(out) if "loss" in r] == list(range(1, STEPS + 1))
+
+
+def test_one_cpu_per_node_gives_each_process_one_thread(over_a_dead_attempt_on_a_taken_port: dict) -> None:
+    run = over_a_dead_attempt_on_a_taken_port
+    assert run["state"] == "COMPLETED", run["log"][-3000:]
+    assert_cpus(run["log"], run["seen"], ("n1", "n2"), cpus=1, threads=1)
+
+
+def fake_slurm_bin(folder: Path) -> Path:
+    """srun, scontrol and accelerate that only say how they were called: srun runs its command once, as
+    node 0, with the --cpus-per-task it was given (as real srun exports it); accelerate prints its flags."""
+    folder.mkdir()
+    scripts = {
+        "scontrol": '[[ "$1 $2" == "show hostnames" ]] && echo n1',
+        "srun": 'echo "srun $*"; cpus=; while [[ $1 == --* ]]; do\n'
+                '    [[ $1 == --cpus-per-task=* ]] && cpus=${1#*=}; shift; done\n'
+                'SLURM_NODEID=0 SLURM_CPUS_PER_TASK=$cpus exec "$@"',
+        "accelerate": 'echo "accelerate $*"',
+    }
+    for name, body in scripts.items():
+        (folder / name).write_text(f"#!/usr/bin/env bash\n{body}\n")
+        (folder / name).chmod(0o755)
+    return folder
+
+
+@pytest.mark.parametrize(("gpus", "job_cpus", "procs", "cpus", "threads"), [
+    ("8", "96(x2)", None, 96, 12),     # 8-GPU nodes, whole (--exclusive)
+    ("8", "96,64", None, 64, 8),       # nodes that differ: the fewest CPUs, which every node has
+    ("8", "2(x2)", None, 2, 1),        # --cpus-per-task=2 left in: at least 1 thread, and a warning
+    (None, "8(x2)", "3", 8, 2),        # CPU processes (PROCS_PER_NODE): 8 // 3
+])
+def test_gpu_nodes_give_the_launcher_their_cpus_and_each_process_a_share(
+        tmp_path: Path, gpus: str | None, job_cpus: str, procs: str | None, cpus: int, threads: int) -> None:
+    # What the two-CPU fixture cluster cannot show (it has no GPUs): the arithmetic for GPU nodes, with
+    # srun and accelerate replaced by fakes that print how they were called.
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "PROCS_PER_NODE"))}
+    env.update(SLURM_JOB_ID="123", SLURM_JOB_NODELIST="n[1-2]", SLURM_NNODES="2", SLURM_SUBMIT_DIR=str(REPO),
+               SLURM_JOB_CPUS_PER_NODE=job_cpus, SLURM_CPUS_PER_TASK="2",
+               PATH=f"{fake_slurm_bin(tmp_path / 'bin')}:{Path(sys.executable).parent}:{os.environ['PATH']}")
+    if gpus:
+        env["SLURM_GPUS_ON_NODE"] = gpus
+    if procs:
+        env["PROCS_PER_NODE"] = procs
+    proc = subprocess.run(["bash", str(REPO / "slurm" / "multinode.sh"), "--output_dir", str(tmp_path / "run")],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    per_node = int(gpus or procs)
+    assert (f"mlm_ddp: {cpus} CPU(s) per task (one task per node: srun --cpus-per-task={cpus}), {per_node} "
+            f"process(es) per node, {threads} thread(s) per process") in proc.stdout
+    assert f"srun --kill-on-bad-exit=0 --ntasks=2 --ntasks-per-node=1 --cpus-per-task={cpus} bash -c" in proc.stdout
+    assert (f"--num_processes {2 * per_node} --num_cpu_threads_per_process {threads} "
+            "--main_process_ip n1") in proc.stdout
+    assert ("warning: 2 CPU(s) for the 8 process(es) of each node" in proc.stdout) == (cpus < per_node)
 
 
 def test_srun_one_task_per_process_is_recognised_and_connects(slurm: dict) -> None:
