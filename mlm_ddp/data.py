@@ -894,8 +894,9 @@ def eval_loader(ds: AnyDataset, collator: Any, batch_size: int, rank: int, world
                       generator=_own_generator(0))
 
 
-def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
-    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+def to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    """The batch's tensors on `device`; its other values (the collator's `padded` flag) as they are."""
+    return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
 
 @dataclass

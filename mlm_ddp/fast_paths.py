@@ -149,22 +149,20 @@ def last_layer(model: Any) -> torch.nn.Module:
     return model.base_model.encoder.layer[-1]
 
 
-def subset_forward(layer: torch.nn.Module, selected: torch.Tensor, draws16: bool, hidden_states: torch.Tensor,
-                   attention_mask: torch.Tensor | None = None, *_: Any, **__: Any) -> torch.Tensor:
-    """A BERT-style layer's forward, (B, T, H) -> (N, H) for the N `selected` positions of (B, T), in
-    row-major order (the order of hidden_states[selected]).
-
-    Each row's selected positions are gathered first, padded to the row with the most (at least 1, so
-    that shapes stay non-empty and every parameter stays in the graph); the padding slots are real
-    positions whose results are dropped."""
+def subset_forward(layer: torch.nn.Module, positions: tuple[torch.Tensor, torch.Tensor, torch.Tensor], draws16: bool,
+                   hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None, *_: Any,
+                   **__: Any) -> torch.Tensor:
+    """A BERT-style layer's forward, (B, T, H) -> (N, H) for the N loss positions of (B, T), in row-major
+    order. `positions` is positions.loss_layout's (loss_positions (N,), loss_order (B, M), loss_slots (N,)):
+    each row's loss positions gathered first, padded to the row with the most (at least 1, so that shapes
+    stay non-empty and every parameter stays in the graph); the padding slots are real positions whose
+    results are dropped. Every shape is known from the indices' shapes: nothing is read back to the host."""
     attention = layer.attention.self
-    batch, seq, _ = hidden_states.shape
+    batch, seq, hidden = hidden_states.shape
     heads, size = attention.num_attention_heads, attention.attention_head_size
-    counts = selected.sum(dim=1)  # (B,)
-    width = max(1, int(counts.max()))
-    order = torch.argsort((~selected).to(torch.int8), dim=1, stable=True)[:, :width]  # (B, M): selected first
-    valid = torch.arange(width, device=selected.device)[None, :] < counts[:, None]  # (B, M)
-    rows = hidden_states.gather(1, order[..., None].expand(batch, width, hidden_states.shape[-1]))  # (B, M, H)
+    flat, order, slots = positions
+    width = order.shape[1]
+    rows = hidden_states.gather(1, order[..., None].expand(batch, width, hidden))  # (B, M, H)
 
     def split(x: torch.Tensor, length: int) -> torch.Tensor:  # (B, L, h*d) -> (B, h, L, d)
         return x.view(batch, length, heads, size).transpose(1, 2)
@@ -177,18 +175,19 @@ def subset_forward(layer: torch.nn.Module, selected: torch.Tensor, draws16: bool
         mask = full.gather(2, order[:, None, :, None].expand(batch, full.shape[1], width, seq))
     dropout = attention.dropout.p if layer.training else 0.0
     context = attend(query, key, value, mask, dropout, size**-0.5, draws16)  # (B, h, M, d)
-    context = context.transpose(1, 2).reshape(batch, width, heads * size)[valid]  # (N, H)
-    attention_output = layer.attention.output(context, hidden_states[selected])
+    context = context.transpose(1, 2).reshape(batch * width, heads * size).index_select(0, slots)  # (N, H)
+    attention_output = layer.attention.output(context, hidden_states.reshape(-1, hidden).index_select(0, flat))
     return layer.output(layer.intermediate(attention_output), attention_output)
 
 
 @contextlib.contextmanager
-def last_layer_on(model: Any, selected: torch.Tensor, draws16: bool) -> Iterator[None]:
-    """Within it, the model's encoder returns the last layer's output at the `selected` positions only,
+def last_layer_on(model: Any, positions: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                  draws16: bool) -> Iterator[None]:
+    """Within it, the model's encoder returns the last layer's output at the loss `positions` only,
     (N, H) instead of (B, T, H): its last layer's forward is `subset_forward` for this one call. The
     layer is still called through its module, so hooks on it (FSDP's gathers) run as before."""
     layer = last_layer(model)
-    layer.forward = functools.partial(subset_forward, layer, selected, draws16)
+    layer.forward = functools.partial(subset_forward, layer, positions, draws16)
     try:
         yield
     finally:

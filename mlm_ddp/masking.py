@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from mlm_ddp.errors import BadInput
+from mlm_ddp.positions import loss_layout
 
 IGNORE_INDEX = -100  # label of positions that carry no loss (torch cross_entropy's ignore_index)
 TRAIN_SPLIT, EVAL_SPLIT = 0, 1
@@ -71,7 +72,8 @@ class MaskingCollator:
 
     Produces input_ids, attention_mask, labels (B, T) with T the longest sequence of the batch (a
     packed block is max_seq_length long except the last of a tokenization batch), or `pad_to` when it
-    is longer (--pad_to_max_length: the same shape every batch).
+    is longer (--pad_to_max_length: the same shape every batch); the loss positions of
+    `positions.loss_layout`; and `padded`, a bool: whether any position of the batch is padding.
     """
 
     mask_token_id: int
@@ -128,8 +130,13 @@ class MaskingCollator:
                 ids, maskable, rng, self.mask_token_id, self._replacement_ids, self.mlm_probability, continues
             )
             attention[row, :n] = 1
+        labels_t = torch.from_numpy(labels)
         return {
             "input_ids": torch.from_numpy(input_ids),
             "attention_mask": torch.from_numpy(attention),
-            "labels": torch.from_numpy(labels),
+            "labels": labels_t,
+            # where the loss is, as indices (positions.py), and whether any position is padding: read here
+            # on the host, where it is free, not on the GPU, where each read drains the queue
+            **loss_layout(labels_t != IGNORE_INDEX),
+            "padded": bool((attention == 0).any()),
         }

