@@ -32,7 +32,9 @@ class StepResult:
     masked: torch.Tensor  # this rank's masked tokens
     tokens: torch.Tensor  # this rank's non-padding input tokens
     grad_norm: torch.Tensor  # before clipping; the same on every rank (the gradients are all-reduced)
-    stepped: bool  # False: the gradients were not finite, or the loss spiked, and the update was skipped
+    # False: the gradients were not finite, or the loss spiked, and the update was skipped. A bool tensor on
+    # the device where fused AdamW decided that itself (`skips_on_device`): read it with a later sync
+    stepped: bool | torch.Tensor
     spike: Spike | None = None  # the loss spike judged by `LossSpikeGuard`, if this step was one
     # fp16: the gradient scaler skipped the update for an overflow of the scaled gradients while every
     # rank's loss was finite (routine while the scaler finds its scale; not --on_nonfinite_loss's business)
@@ -91,6 +93,16 @@ def forward_backward(accelerator: Accelerator, model: torch.nn.Module, window: l
     return sums
 
 
+def skips_on_device(accelerator: Accelerator, optimizer: torch.optim.Optimizer) -> bool:
+    """Whether a non-finite update can be skipped without reading the norm back: a fused AdamW (it takes
+    `found_inf`), no gradient scaler (which sets its own), parameters not sharded (FSDP's are DTensors)."""
+    from mlm_ddp.distributed import sharded
+
+    inner = getattr(optimizer, "optimizer", optimizer)
+    return (accelerator.scaler is None and isinstance(inner, torch.optim.Adam) and not sharded(accelerator)
+            and all(group.get("fused") for group in inner.param_groups))
+
+
 def train_step(accelerator: Accelerator, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                window: list[Batch], masked_total: torch.Tensor, max_grad_norm: float | None,
                phase: Callable[[str], None] | None = None, guard: LossSpikeGuard | None = None,
@@ -120,7 +132,17 @@ def train_step(accelerator: Accelerator, model: torch.nn.Module, optimizer: torc
     # takes the same decision below without another collective
     norm = accelerator.clip_grad_norm_(model.parameters(), max_grad_norm or math.inf)
     overflow = False
-    if accelerator.scaler is None:
+    if skips_on_device(accelerator, optimizer):
+        # fused AdamW leaves the parameters and its state as they are when `found_inf` is set (what a gradient
+        # scaler gives it): the decision stays on the device, and nothing is read back here
+        finite = torch.isfinite(norm)
+        optimizer.optimizer.found_inf = (~finite).float()
+        try:
+            optimizer.step()
+        finally:
+            del optimizer.optimizer.found_inf
+        stepped = finite
+    elif accelerator.scaler is None:
         stepped = bool(torch.isfinite(norm))
         if stepped:
             optimizer.step()

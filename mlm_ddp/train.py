@@ -294,13 +294,17 @@ def fit(run: Training, stop: ckpt.StopSignals) -> int:
     evaluate_before(run)
     log.begin()
     run.model.train()
+    unread: tuple[int, StepResult] | None = None  # a step whose skip (a device tensor) is not read yet
     while step < run.data.total_steps:
         beat(step + 1, "data")
         skip_spiked(run)
         before = feed.position()
         window = read_window(run, step, before.epoch)
         beat(step + 1, "data", "the all-reduce of the step's masked tokens and stop votes")
-        masked, signals = agree_on_step(accelerator, window, stop)
+        masked, signals, skipped = agree_on_step(accelerator, window, stop, unread and unread[1].stepped)
+        if unread is not None and skipped:
+            on_skipped(run, *unread)
+        unread = None
         if signals:
             beat(step, "checkpoint")
             stop_here(run, trainer_state(run, step, before), before.stream, signals)
@@ -311,7 +315,9 @@ def fit(run: Training, stop: ckpt.StopSignals) -> int:
             step = back_to
             continue
         log.add(result)
-        if not result.stepped:
+        if isinstance(result.stepped, torch.Tensor):
+            unread = (step, result)  # read with the next step's all-reduce, or after the last step
+        elif not result.stepped:
             on_skipped(run, step, result)
         run.scheduler.step()
         step += 1
@@ -324,8 +330,14 @@ def fit(run: Training, stop: ckpt.StopSignals) -> int:
         record.update(run.evaluator.maybe(step, feed.epoch_float, log.clock))
         log.write(record)
         beat(step, "checkpoint")
+        if unread is not None and run.checkpointer.due(step, epoch_ended):  # a step that saves may read it now:
+            if not bool(unread[1].stepped):  # no checkpoint after a skipped step is taken for a good one
+                on_skipped(run, *unread)
+            unread = None
         with log.clock.paused():
             run.checkpointer.maybe(step, epoch_ended, functools.partial(position_after, run, step))
+    if unread is not None and not bool(unread[1].stepped):
+        on_skipped(run, *unread)
     log.close()
     if run.skipped_steps:
         logger.warning("%d optimizer step(s) skipped for non-finite gradients", run.skipped_steps)
@@ -359,15 +371,20 @@ def read_window(run: Training, step: int, epoch_before: int) -> list[dict[str, t
     return window
 
 
-def agree_on_step(accelerator: Accelerator, window: list[dict[str, torch.Tensor]],
-                  stop: ckpt.StopSignals) -> tuple[torch.Tensor, list[str]]:
-    """One all-reduce per step: the masked tokens of the whole optimizer step (all ranks and
-    micro-batches; the loss is normalised by them) and the stop signals any rank received (a vote
-    per signal, so that every rank knows which, whichever rank it reached first)."""
+def agree_on_step(accelerator: Accelerator, window: list[dict[str, torch.Tensor]], stop: ckpt.StopSignals,
+                  unread: torch.Tensor | None = None) -> tuple[torch.Tensor, list[str], bool]:
+    """One all-reduce per step, and its result read once (the step's one host sync on a GPU): the masked
+    tokens of the whole optimizer step (all ranks and micro-batches; the loss is normalised by them), the
+    stop signals any rank received (a vote per signal, so that every rank knows which, whichever rank it
+    reached first), and whether the previous step's update was skipped, where that is still `unread` on
+    the device (a bool tensor: the step's `stepped`)."""
     votes = torch.tensor(stop.votes(), dtype=torch.float64, device=accelerator.device)
-    local = torch.cat([masked_tokens(window).reshape(1), votes])
+    skipped = torch.zeros(1, dtype=torch.float64, device=accelerator.device) if unread is None else \
+        (~unread).double().reshape(1)
+    local = torch.cat([masked_tokens(window).reshape(1), votes, skipped])
     summed = accelerator.reduce(local, reduction="sum")
-    return summed[0], stop.agreed(summed[1:].tolist())
+    values = summed.tolist()
+    return summed[0], stop.agreed(values[1:-1]), values[-1] > 0
 
 
 def trainer_state(run: Training, step: int, at: mdata.FeedPosition) -> ckpt.TrainerState:
