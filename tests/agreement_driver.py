@@ -1,6 +1,6 @@
 """`accelerate launch -m tests.agreement_driver ROOT` on 2 processes: each rank is given its own view
 of an output folder (rank 1's lacks the newest checkpoint, as a node whose filesystem cache has not yet
-seen a save), then asks the questions that lead to collectives. Prints one JSON line per rank."""
+seen a save), then asks the questions that lead to collectives. Writes ROOT/rank-N.json per rank."""
 
 from __future__ import annotations
 
@@ -44,8 +44,9 @@ def main() -> int:
         refused = None
     except BadInput as err:
         refused = str(err)
-    print(json.dumps({"rank": rank, "own": own.name, "agreed": agreed[0].name, "agreed_step": agreed[1].step,
-                      "refused": refused}), flush=True)
+    # a file per rank: two ranks printing into the launcher's one pipe can run into one line
+    (Path(sys.argv[1]) / f"rank-{rank}.json").write_text(json.dumps(
+        {"rank": rank, "own": own.name, "agreed": agreed[0].name, "agreed_step": agreed[1].step, "refused": refused}))
     wait.close()
     accelerator.end_training()
     return 0
