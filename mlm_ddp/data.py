@@ -873,11 +873,12 @@ def _own_generator(seed: int) -> torch.Generator:
 
 
 def train_loader(ds: AnyDataset, collator: Any, batch_size: int, rank: int, world_size: int,
-                 seed: int, num_workers: int, layout_batch: int | None = None) -> DataLoader:
+                 seed: int, num_workers: int, layout_batch: int | None = None, pin: bool = False) -> DataLoader:
     """A stream is already this rank's (`rank_dataset`); map-style data is sharded by the sampler,
     whose epochs are laid out for `layout_batch` (the global micro-batch of the run that began the
-    training; default: this run's)."""
-    common = dict(collate_fn=collator, num_workers=num_workers, generator=_own_generator(seed))
+    training; default: this run's). `pin`: page-locked batches (for a CUDA device), which is what makes
+    `to_device`'s non_blocking copies asynchronous; from pageable memory the host waits for each."""
+    common = dict(collate_fn=collator, num_workers=num_workers, generator=_own_generator(seed), pin_memory=pin)
     if is_stream(ds):
         return DataLoader(ds, batch_size=batch_size, **common)
     sampler = EpochBatchSampler(len(ds), batch_size, rank, world_size, seed, layout_batch=layout_batch)
@@ -885,13 +886,13 @@ def train_loader(ds: AnyDataset, collator: Any, batch_size: int, rank: int, worl
 
 
 def eval_loader(ds: AnyDataset, collator: Any, batch_size: int, rank: int, world_size: int,
-                num_workers: int) -> DataLoader:
+                num_workers: int, pin: bool = False) -> DataLoader:
     """Each rank reads a disjoint part of the eval set (a stream is already this rank's, from
     `rank_dataset`); nothing is padded or repeated."""
     if not isinstance(ds, IterableDataset) and world_size > 1:
         ds = ds.shard(num_shards=world_size, index=rank, contiguous=True)
     return DataLoader(ds, batch_size=batch_size, collate_fn=collator, num_workers=num_workers,
-                      generator=_own_generator(0))
+                      generator=_own_generator(0), pin_memory=pin)
 
 
 def to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
@@ -923,11 +924,12 @@ def rank_data(data: DataConfig, training: TrainingConfig, tokenizer: Any, raw_tr
     masking = dict(mlm_probability=data.mlm_probability, whole_word_mask=data.whole_word_mask,
                    seed=training.seed, pad_to=data.max_seq_length if data.pad_to_max_length else 0)
     train_collator = MaskingCollator.for_tokenizer(tokenizer, split=TRAIN_SPLIT, **masking)
+    pin = accelerator.device.type == "cuda"
     train_dl = train_loader(train_ds, train_collator, training.per_device_train_batch_size, rank, world,
-                            training.seed, data.dataloader_num_workers, layout_batch)
+                            training.seed, data.dataloader_num_workers, layout_batch, pin)
     eval_dl = None if eval_ds is None else eval_loader(
         eval_ds, MaskingCollator.for_tokenizer(tokenizer, split=EVAL_SPLIT, **masking),
-        training.per_device_eval_batch_size, rank, world, data.dataloader_num_workers)
+        training.per_device_eval_batch_size, rank, world, data.dataloader_num_workers, pin)
     if is_stream(train_ds):
         return RankData(train_ds, train_dl, train_collator, eval_dl, training.max_train_steps,
                         f"streaming, tokenized on the fly; {stream_sharding(raw_train.num_shards, world)}; "
