@@ -53,12 +53,30 @@ class Beat:
     alive: float  # the last time the process was seen running (the beat, or the alive thread)
 
 
+@dataclass(frozen=True)
+class Watch:
+    """The heartbeat's watchdog: a rank that has waited in one phase for nearly that phase's collective
+    timeout, while another rank is frozen or behind it, names the hang itself, before the backend ends the
+    process. NCCL's watchdog aborts the process (SIGABRT) while the main thread is stuck in a CUDA sync, so
+    no Python exception ever arrives there; gloo raises one, which comes after this."""
+
+    timeout_s: Callable[[str], float]  # phase -> the timeout of the collectives it waits in
+    on_stall: Callable[[str, float, float], None]  # (the diagnosis, seconds waited, the timeout); ends the process
+
+    def deadline_s(self, phase: str) -> float:
+        """How long a phase may last before the watchdog looks: the timeout less a margin of a few alive
+        beats (the check runs once per beat) or 5% of it, whichever is larger."""
+        timeout = self.timeout_s(phase)
+        return timeout - max(1.5 * ALIVE_EVERY_S, 0.05 * timeout)
+
+
 class Heartbeat:
     """This rank's heartbeat file. `beat(step, phase, collective)` costs one pwrite; `on_beat` is a
-    test seam called after each beat (train.Hooks)."""
+    test seam called after each beat (train.Hooks); `watch`: the watchdog (`Watch`)."""
 
     def __init__(self, output_dir: str | Path, rank: int, world: int,
-                 on_beat: Callable[[Beat], None] | None = None) -> None:
+                 on_beat: Callable[[Beat], None] | None = None, watch: Watch | None = None) -> None:
+        self.output_dir, self.watch = Path(output_dir), watch
         path = rank_file(output_dir, rank)
         path.parent.mkdir(parents=True, exist_ok=True)
         if rank == 0:  # the files of ranks an earlier run of this folder had and this one has not
@@ -95,6 +113,11 @@ class Heartbeat:
                     return
                 self.last.alive = time.time()
                 self._write()
+                mine = self.last
+            if self.watch is not None and mine.alive - mine.at > self.watch.deadline_s(mine.phase):
+                line = stalled_peer(self.output_dir, mine)
+                if line is not None:
+                    self.watch.on_stall(line, mine.alive - mine.at, self.watch.timeout_s(mine.phase))
 
     def close(self) -> None:
         """The last beat of a finished run; the file stays, saying where this rank ended."""
@@ -163,6 +186,18 @@ def diagnose(output_dir: str | Path, now: float | None = None,
     elif now - newest <= frozen_after_s:
         line += "; its process is still running, stuck there (py-spy dump --pid on its host shows where)"
     return line
+
+
+def stalled_peer(output_dir: str | Path, mine: Beat, frozen_after_s: float = 3 * ALIVE_EVERY_S) -> str | None:
+    """`diagnose`'s line when another rank has stopped: frozen (its process no longer runs) or behind
+    `mine` (fewer beats: it never reached the collective this rank waits in). None when every other rank
+    is alive and as far: then they are all slow, not stuck, and no backend times out."""
+    beats = {r: b for r, b in read_beats(output_dir).items() if b.world == mine.world and b.rank != mine.rank}
+    if len(beats) < mine.world - 1:
+        return diagnose(output_dir)  # a rank that never beat: it never reached training
+    if any(mine.alive - b.alive > frozen_after_s or b.seq < mine.seq for b in beats.values()):
+        return diagnose(output_dir, now=mine.alive, frozen_after_s=frozen_after_s)
+    return None
 
 
 def cost_per_beat(folder: str | Path, beats: int = 20000) -> float:

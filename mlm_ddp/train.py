@@ -13,7 +13,9 @@ Reads top to bottom, in four parts:
 from __future__ import annotations
 
 import functools
+import json
 import logging
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -34,7 +36,7 @@ from mlm_ddp import distributed, speed
 from mlm_ddp.config import Config, parse_args
 from mlm_ddp.errors import EXIT_FAILED, BadInput, NonFiniteLoss, Preempted, RunEnded
 from mlm_ddp.evaluation import Evaluator, record_fields
-from mlm_ddp.heartbeat import Beat, Heartbeat, diagnose
+from mlm_ddp.heartbeat import Beat, Heartbeat, Watch, diagnose
 from mlm_ddp.hub import check_hub, push
 from mlm_ddp.model import (
     load_model,
@@ -223,11 +225,35 @@ def build(cfg: Config, checked: Checked, hooks: Hooks) -> Training:
     log = RunLog(cfg, accelerator, checked.trackers, start.step, data.total_steps, resume_from is not None,
                  start.tokens_seen, utilisation(cfg, checked, accelerator, model))
     evaluator = Evaluator(cfg.run.eval_steps, data.total_steps, accelerator, model, data.eval_loader)
-    heartbeat = Heartbeat(checked.folder.path, accelerator.process_index, accelerator.num_processes, hooks.on_beat)
+    heartbeat = Heartbeat(checked.folder.path, accelerator.process_index, accelerator.num_processes, hooks.on_beat,
+                          watchdog(cfg, checked) if accelerator.num_processes > 1 else None)
     guard = None if cfg.run.on_loss_spike == "off" else LossSpikeGuard(cfg.run.loss_spike_factor,
                                                                       cfg.run.loss_spike_window)
     return Training(cfg, checked, accelerator, wait, data, model, optimizer, scheduler, feed, stream_state, log,
                     evaluator, checkpointer, heartbeat, hooks, guard)
+
+
+SAVE_PHASES = ("checkpoint", "final save")  # their waits are on the long-timeout group (--save_timeout)
+
+
+def watchdog(cfg: Config, checked: Checked) -> Watch:
+    """The heartbeat's watchdog (heartbeat.Watch): it names a hang on every backend, before NCCL's own
+    watchdog aborts the process without a word, records it in the run folder, and ends the process with
+    exit 1 (the run's rank that waits; the launcher then stops the others)."""
+    def timeout_s(phase: str) -> float:
+        return cfg.run.save_timeout if phase in SAVE_PHASES else cfg.run.ddp_timeout
+
+    def on_stall(line: str, waited: float, timeout: float) -> NoReturn:
+        topo = checked.topo
+        cause = TimeoutError(f"no progress for {waited:.0f} s in a phase whose collectives time out after "
+                             f"{timeout:.0f} s: named by mlm_ddp's watchdog before the backend's own timeout")
+        record = {"rank": topo.rank, "waited_s": round(waited, 1), "timeout_s": timeout, "hang": line,
+                  "at": time.time()}
+        ckpt.write_atomic(checked.folder.path / "heartbeat" / f"hang-rank-{topo.rank:05d}.json", json.dumps(record))
+        say(f"mlm_ddp.train: error: {distributed.lost_contact(topo, cause)}\nmlm_ddp.train: error: hang: {line}")
+        os._exit(EXIT_FAILED)  # the main thread is stuck in the collective: end here, as NCCL would, but named
+
+    return Watch(timeout_s, on_stall)
 
 
 def agree_on_resume(resume_from: Path | None, wait: distributed.MainProcessWait) -> None:

@@ -63,9 +63,31 @@ def test_the_survivor_and_diagnose_name_the_frozen_rank_its_host_and_phase(phase
     hang = [line for line in survivor.splitlines() if line.startswith("mlm_ddp.train: error: hang: ")]
     assert len(hang) == 1, survivor[-3000:]
     assert expected in hang[0] and where in hang[0] and "its process stopped running" in hang[0], hang[0]
+    # named by mlm_ddp's watchdog, on no exception of the backend's: NCCL's watchdog would abort the process
+    # (SIGABRT) without one; gloo's comes at TIMEOUT_S, after this. The run folder keeps the record.
+    assert "named by mlm_ddp's watchdog before the backend's own timeout" in survivor, survivor[-3000:]
+    record = json.loads((out / "heartbeat" / "hang-rank-00000.json").read_text())
+    assert record["hang"] == hang[0].removeprefix("mlm_ddp.train: error: hang: ")
+    assert record["waited_s"] < TIMEOUT_S and record["timeout_s"] == TIMEOUT_S
     after = run_module(["mlm_ddp.distributed", "--diagnose", str(out)], timeout=60)
     assert after.returncode == 0, after.stderr
     assert expected in after.stdout and where in after.stdout and after.stdout.count("\n") == 1, after.stdout
+
+
+def test_the_watchdog_names_a_stopped_peer_but_not_ranks_that_are_all_slow(tmp_path: Path) -> None:
+    beats = [heartbeat.Heartbeat(tmp_path, rank, 2) for rank in range(2)]
+    for beat in beats:
+        beat.beat(4, "forward/backward")
+    mine = beats[0].last
+    assert heartbeat.stalled_peer(tmp_path, mine) is None  # both as far and alive: slow, not stuck
+    beats[0].beat(4, "optimizer")  # rank 1 never got there: behind
+    assert heartbeat.stalled_peer(tmp_path, beats[0].last).startswith("rank 1 on ")
+    later = heartbeat.Beat(**{**vars(beats[1].last), "rank": 1, "alive": beats[1].last.alive + 60})
+    assert heartbeat.stalled_peer(tmp_path, later) is not None  # rank 0 has not been alive for 60 s: frozen
+    watch = heartbeat.Watch(lambda phase: 120.0 if phase == "checkpoint" else 10.0, lambda *_: None)
+    assert watch.deadline_s("data") == 7.0 and watch.deadline_s("checkpoint") == 114.0
+    for beat in beats:
+        beat.stop()
 
 
 def test_diagnose_without_heartbeats_says_so(tmp_path: Path) -> None:
