@@ -99,7 +99,9 @@ def skips_on_device(accelerator: Accelerator, optimizer: torch.optim.Optimizer) 
     from mlm_ddp.distributed import sharded
 
     inner = getattr(optimizer, "optimizer", optimizer)
-    return (accelerator.scaler is None and isinstance(inner, torch.optim.Adam) and not sharded(accelerator)
+    # recent torch makes AdamW an Adam, older releases a class of its own: both read found_inf when fused
+    return (accelerator.scaler is None and isinstance(inner, (torch.optim.Adam, torch.optim.AdamW))
+            and not sharded(accelerator)
             and all(group.get("fused") for group in inner.param_groups))
 
 
