@@ -443,8 +443,8 @@ def prepare_for_training(accelerator: Any, transformers_model: PreTrainedModel, 
     return model, optimizer, scheduler, n_params
 
 
-def materialize_meta(model: torch.nn.Module) -> list[str]:
-    """Give every parameter left on the meta device an (uninitialised) CPU tensor; returns their names.
+def materialize_meta(model: torch.nn.Module) -> None:
+    """Give every parameter left on the meta device an (uninitialised) CPU tensor.
 
     Under FSDP's CPU-RAM-efficient loading, transformers loads the checkpoint on rank 0 only and leaves
     the weights the checkpoint lacks (a fresh MLM head) on the meta device on every other rank. accelerate
@@ -454,18 +454,14 @@ def materialize_meta(model: torch.nn.Module) -> list[str]:
     failed at the first checkpoint. The values do not matter: rank 0's are broadcast when the model is
     sharded. Tied parameters stay one tensor.
     """
-    made: dict[int, torch.nn.Parameter] = {}
-    names = []
-    for module_name, module in model.named_modules():
+    made: dict[int, torch.nn.Parameter] = {}  # id of a meta parameter -> its CPU one: ties stay one tensor
+    for module in model.modules():
         for name, param in list(module.named_parameters(recurse=False)):
-            if not param.is_meta:
-                continue
-            if id(param) not in made:
-                made[id(param)] = torch.nn.Parameter(torch.empty_like(param, device="cpu"),
-                                                     requires_grad=param.requires_grad)
-                names.append(f"{module_name}.{name}".lstrip("."))
-            setattr(module, name, made[id(param)])
-    return names
+            if param.is_meta:
+                if id(param) not in made:
+                    made[id(param)] = torch.nn.Parameter(torch.empty_like(param, device="cpu"),
+                                                         requires_grad=param.requires_grad)
+                setattr(module, name, made[id(param)])
 
 
 def check_distinct_storage(model: torch.nn.Module) -> None:

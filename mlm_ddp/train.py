@@ -357,13 +357,12 @@ def fit(run: Training, stop: ckpt.StopSignals) -> int:
         log.write(record)
         beat(step, "checkpoint")
         if unread is not None and run.checkpointer.due(step, epoch_ended):  # a step that saves may read it now:
-            if not bool(unread[1].stepped):  # no checkpoint after a skipped step is taken for a good one
-                on_skipped(run, *unread)
+            settle(run, unread)  # no checkpoint after a skipped step is taken for a good one
             unread = None
         with log.clock.paused():
             run.checkpointer.maybe(step, epoch_ended, functools.partial(position_after, run, step))
-    if unread is not None and not bool(unread[1].stepped):
-        on_skipped(run, *unread)
+    if unread is not None:
+        settle(run, unread)
     log.close()
     if run.skipped_steps:
         logger.warning("%d optimizer step(s) skipped for non-finite gradients", run.skipped_steps)
@@ -371,6 +370,12 @@ def fit(run: Training, stop: ckpt.StopSignals) -> int:
         logger.info("loss spikes: %d update(s) skipped, %d rollback(s)", run.spikes["skipped"],
                     run.spikes["rolled_back"])
     return step
+
+
+def settle(run: Training, unread: tuple[int, StepResult]) -> None:
+    """Read a step's on-device skip now (a host sync) and act on it, where no all-reduce will bring it."""
+    if not bool(unread[1].stepped):
+        on_skipped(run, *unread)
 
 
 def evaluate_before(run: Training) -> None:
