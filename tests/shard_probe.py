@@ -16,8 +16,10 @@ import torch
 from accelerate import Accelerator
 from datasets import Dataset
 
-from mlm_ddp import data as mdata
 from mlm_ddp import distributed
+from mlm_ddp.data.epochs import train_loader
+from mlm_ddp.data.feed import TrainFeed
+from mlm_ddp.data.stream import shard_stream
 
 
 def ids_of(rows: list[dict]) -> list[int]:
@@ -30,8 +32,8 @@ def one_epoch(accelerator: Accelerator, ds, batch: int, accumulation: int) -> di
     def any_rank(flag: bool) -> bool:
         return accelerator.reduce(torch.tensor(float(flag)), reduction="sum").item() > 0
 
-    loader = mdata.train_loader(ds, ids_of, batch, rank, world, seed=7, num_workers=0)
-    feed = mdata.TrainFeed(loader, ids_of, accumulation, epoch=0, start=0, any_rank=any_rank)
+    loader = train_loader(ds, ids_of, batch, rank, world, seed=7, num_workers=0)
+    feed = TrainFeed(loader, ids_of, accumulation, epoch=0, start=0, any_rank=any_rank)
     steps: list[list[int]] = []
     while True:
         window = [i for micro in feed.next_window() for i in micro]
@@ -54,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     table = Dataset.from_dict({"id": list(range(n))})
     # a stream of 3 shards over 2 ranks: split text by text, ranks' parts differ in length
     raw_stream = table.to_iterable_dataset(num_shards=3)
-    stream = mdata.shard_stream(raw_stream, rank, world).shuffle(seed=7, buffer_size=8)
+    stream = shard_stream(raw_stream, rank, world).shuffle(seed=7, buffer_size=8)
     record = {
         "world": world,
         "map": one_epoch(accelerator, table, batch=4, accumulation=1),

@@ -8,9 +8,13 @@ import pytest
 from datasets import Dataset
 from transformers import AutoTokenizer
 
-from mlm_ddp import data as mdata
 from mlm_ddp.config import DataConfig
-from mlm_ddp.data import EpochBatchSampler, embedded_corpus, load_text, pack_stats, tokenize_and_pack, tokenize_dataset
+from mlm_ddp.data.epochs import EpochBatchSampler, train_loader
+from mlm_ddp.data.feed import RankRead, StreamEpochEnd, TrainFeed, unread_fractions
+from mlm_ddp.data.pack import pack_stats, tokenize_and_pack, tokenize_dataset
+from mlm_ddp.data.rank import rank_dataset
+from mlm_ddp.data.stream import PackedStream, balance_shards, naive_shards, plan_stream_split, shard_sizes, shard_stream
+from mlm_ddp.data.text import embedded_corpus, load_text
 from mlm_ddp.errors import BadInput
 from tests.conftest import REPO, corpus_paragraphs
 
@@ -171,8 +175,8 @@ def _livelock_guard(limit: int = 100):
 def test_a_stream_too_small_for_one_step_raises_instead_of_looping() -> None:
     # 3 micro-batches of 1 block per epoch, 4 per optimizer step: no epoch can ever train a step
     stream = Dataset.from_dict({"id": [0, 1, 2]}).to_iterable_dataset()
-    loader = mdata.train_loader(stream, lambda rows: [r["id"] for r in rows], 1, 0, 1, seed=0, num_workers=0)
-    feed = mdata.TrainFeed(loader, None, accumulation=4, epoch=0, start=0, any_rank=_livelock_guard())
+    loader = train_loader(stream, lambda rows: [r["id"] for r in rows], 1, 0, 1, seed=0, num_workers=0)
+    feed = TrainFeed(loader, None, accumulation=4, epoch=0, start=0, any_rank=_livelock_guard())
     with pytest.raises(BadInput) as raised:
         feed.next_window()
     message = str(raised.value)
@@ -185,8 +189,8 @@ def test_a_stream_too_small_for_one_step_raises_instead_of_looping() -> None:
 def test_a_map_style_epoch_shorter_than_a_step_still_trains() -> None:
     # the map-style neighbour: windows run across epoch ends, as in one process; nothing to raise
     table = Dataset.from_dict({"id": [0, 1, 2]})
-    loader = mdata.train_loader(table, lambda rows: [r["id"] for r in rows], 1, 0, 1, seed=0, num_workers=0)
-    feed = mdata.TrainFeed(loader, None, accumulation=4, epoch=0, start=0, any_rank=_livelock_guard())
+    loader = train_loader(table, lambda rows: [r["id"] for r in rows], 1, 0, 1, seed=0, num_workers=0)
+    feed = TrainFeed(loader, None, accumulation=4, epoch=0, start=0, any_rank=_livelock_guard())
     windows = [feed.next_window() for _ in range(3)]
     assert [len(w) for w in windows] == [4, 4, 4] and (feed.epoch, feed.index) == (4, 0)
     assert sorted(i for w in windows for b in w for i in b) == sorted([0, 1, 2] * 4)
@@ -198,17 +202,17 @@ def test_balanced_shards_assign_every_file_once_and_never_worse_than_datasets() 
         world = int(rng.integers(1, 6))
         n = world * int(rng.integers(1, 6))
         sizes = [int(s) for s in rng.choice([1, 10, 1000], size=n) * rng.integers(1, 100, size=n)]
-        parts = mdata.balance_shards(sizes, world)
+        parts = balance_shards(sizes, world)
         assert sorted(i for part in parts for i in part) == list(range(n))  # each file exactly once
         assert {len(part) for part in parts} == {n // world}  # equal shard counts per rank
         totals = [sum(sizes[i] for i in p) for p in parts]
-        naive = [sum(sizes[i] for i in p) for p in mdata.naive_shards(n, world)]
+        naive = [sum(sizes[i] for i in p) for p in naive_shards(n, world)]
         assert max(totals) <= max(naive)
     # the case the rule is for: a 1 GB file beside a 100 MB one, dealt by position to one rank each
     sizes = [1000, 900, 100, 50]
-    assert mdata.naive_shards(4, 2) == [[0, 2], [1, 3]] and mdata.balance_shards(sizes, 2) == [[0, 3], [1, 2]]
+    assert naive_shards(4, 2) == [[0, 2], [1, 3]] and balance_shards(sizes, 2) == [[0, 3], [1, 2]]
     with pytest.raises(ValueError, match="do not divide"):
-        mdata.balance_shards([1, 2, 3], 2)
+        balance_shards([1, 2, 3], 2)
 
 
 def write_files(folder: Path, paragraphs_per_file: list[int]) -> Path:
@@ -232,9 +236,9 @@ def test_stream_files_are_balanced_by_size_disjoint_and_complete(unequal_files: 
     cfg = DataConfig(dataset_name=str(unequal_files), streaming=True, max_eval_samples=8)
     train, held_out = load_text(cfg, seed=0)
     sizes = [(unequal_files / f"part{i}.jsonl").stat().st_size for i in range(4)]
-    assert mdata.shard_sizes(train) == sizes
-    split = mdata.plan_stream_split(train, 2)
-    assert split.kind == "files" and split.shards == mdata.balance_shards(sizes, 2) == [[0, 1], [2, 3]]
+    assert shard_sizes(train) == sizes
+    split = plan_stream_split(train, 2)
+    assert split.kind == "files" and split.shards == balance_shards(sizes, 2) == [[0, 1], [2, 3]]
     assert split.part_bytes == [sizes[0] + sizes[1], sizes[2] + sizes[3]]
     assert max(split.part_bytes) < max(split.naive_bytes)  # dealt by position: 60 + 40 paragraphs on rank 0
     note = split.note()
@@ -243,10 +247,10 @@ def test_stream_files_are_balanced_by_size_disjoint_and_complete(unequal_files: 
     for epoch in (0, 1):  # the same files every epoch; train and held-out texts never overlap
         seen, held = [], []
         for rank in (0, 1):
-            part = mdata.shard_stream(train, rank, 2).shuffle(seed=3, buffer_size=1)
+            part = shard_stream(train, rank, 2).shuffle(seed=3, buffer_size=1)
             part.set_epoch(epoch)
             seen.append([r["text"] for r in part])
-            held += [r["text"] for r in mdata.shard_stream(held_out, rank, 2)]
+            held += [r["text"] for r in shard_stream(held_out, rank, 2)]
         assert len(held) == 8 and not set(held) & set(seen[0] + seen[1])
         assert sorted(seen[0] + seen[1] + held) == sorted(corpus_paragraphs()[:126])  # disjoint and complete
         texts_of = [{json.loads(line)["text"] for line in (unequal_files / f"part{i}.jsonl").open()}
@@ -261,7 +265,7 @@ def test_what_an_epoch_end_leaves_unread_is_estimated_from_file_sizes(tmp_path: 
     cfg = DataConfig(dataset_name=str(folder), streaming=True, validation_split_percentage=0,
                      max_seq_length=32, shuffle_buffer_size=4)
     train, _ = load_text(cfg, seed=0)
-    parts = [mdata.rank_dataset(train, tokenizer, cfg, rank, 2, shuffle_seed=1) for rank in (0, 1)]
+    parts = [rank_dataset(train, tokenizer, cfg, rank, 2, shuffle_seed=1) for rank in (0, 1)]
     assert [p.split for p in parts] == ["files", "files"]
     whole = [sum(1 for _ in p) for p in parts]
     whole_bytes = [p.text_bytes for p in parts]
@@ -271,13 +275,13 @@ def test_what_an_epoch_end_leaves_unread_is_estimated_from_file_sizes(tmp_path: 
         part.set_epoch(0)
         for _ in itertools.islice(iter(part), whole[short]):
             pass
-        reads.append(mdata.RankRead(-(-part.blocks_read // 8), rank == short, part.texts_read, part.blocks_read,
+        reads.append(RankRead(-(-part.blocks_read // 8), rank == short, part.texts_read, part.blocks_read,
                               part.text_bytes, part.part_bytes))
     long = 1 - short
-    estimate = mdata.unread_fractions(reads, "files")
+    estimate = unread_fractions(reads, "files")
     truth = 1 - reads[long].text_bytes / whole_bytes[long]
     assert estimate[short] == 0.0 and 0.05 < truth and abs(estimate[long] - truth) < 0.05, (estimate, truth)
-    line = mdata.StreamEpochEnd(0, 3, reads, "files").describe(dropped_so_far=1)
+    line = StreamEpochEnd(0, 3, reads, "files").describe(dropped_so_far=1)
     assert line.startswith(f"epoch 0 of the stream ended on every rank after 3 micro-batches, when rank {short}'s "
                            "part ran out (micro-batches of partial steps dropped so far, rank 0: 1); ")
     assert (f"rank {long} read {reads[long].micro_batches} micro-batches, {reads[long].texts} texts, "
@@ -293,8 +297,8 @@ def test_a_balanced_file_part_resumes_exactly_and_counts_on(unequal_files: Path,
                      max_seq_length=32, shuffle_buffer_size=4)
     train, _ = load_text(cfg, seed=0)
 
-    def part() -> mdata.PackedStream:
-        return mdata.rank_dataset(train, tokenizer, cfg, 1, 2, shuffle_seed=5)
+    def part() -> PackedStream:
+        return rank_dataset(train, tokenizer, cfg, 1, 2, shuffle_seed=5)
 
     straight = part()
     straight.set_epoch(1)
@@ -318,7 +322,7 @@ def test_the_datasets_floor_is_where_a_one_text_shuffle_buffer_resumes_exactly(t
 
     from datasets import load_dataset
 
-    from mlm_ddp.data import STREAM_RESUME_DATASETS, check_stream_resume
+    from mlm_ddp.data.stream import STREAM_RESUME_DATASETS, check_stream_resume
 
     files = []
     for i, lines in enumerate((20, 30, 25)):

@@ -22,9 +22,13 @@ from accelerate.utils import DistributedType
 from accelerate.utils.launch import prepare_multi_gpu_env, prepare_simple_launcher_cmd_env
 from datasets import Dataset
 
-from mlm_ddp import data as mdata
 from mlm_ddp import distributed
 from mlm_ddp.config import DataConfig, parse_args
+from mlm_ddp.data.epochs import EpochBatchSampler, train_loader
+from mlm_ddp.data.feed import TrainFeed
+from mlm_ddp.data.rank import rank_dataset
+from mlm_ddp.data.stream import shard_stream, stream_sharding
+from mlm_ddp.data.text import load_text
 from tests.conftest import (
     NO_DROPOUT,
     REPO,
@@ -188,7 +192,7 @@ def test_doctor_under_plain_torchrun_forms_a_real_group() -> None:
 @pytest.mark.parametrize("n", [1, 13, 40])
 def test_map_style_sharding_is_disjoint_and_complete(n: int, world: int) -> None:
     batch = 3
-    samplers = [mdata.EpochBatchSampler(n, batch, rank, world, seed=1) for rank in range(world)]
+    samplers = [EpochBatchSampler(n, batch, rank, world, seed=1) for rank in range(world)]
     per_rank = [[i for b in itertools.islice(s, math.ceil(n / (batch * world))) for i in b] for s in samplers]
     seen = sum(per_rank, [])
     assert sorted(set(seen)) == list(range(n))
@@ -202,13 +206,13 @@ def test_stream_sharding_is_disjoint_and_complete(shards: int, world: int) -> No
     raw = Dataset.from_dict({"id": list(range(n))}).to_iterable_dataset(num_shards=shards)
     parts = []
     for rank in range(world):
-        part = mdata.shard_stream(raw, rank, world).shuffle(seed=3, buffer_size=5)
+        part = shard_stream(raw, rank, world).shuffle(seed=3, buffer_size=5)
         part.set_epoch(2)  # every rank shuffles with the same seed and epoch, as in training
         parts.append([row["id"] for row in part])
     seen = sum(parts, [])
     assert sorted(seen) == list(range(n))  # disjoint (no id twice) and complete
     assert max(map(len, parts)) - min(map(len, parts)) <= max(n // shards + 1, 1)
-    note = mdata.stream_sharding(shards, world)
+    note = stream_sharding(shards, world)
     assert ("reads only its" in note) == (world > 1 and shards % world == 0)
 
 
@@ -217,17 +221,17 @@ def test_stream_train_and_held_out_eval_split_stays_disjoint_across_ranks(tmp_pa
     path = tmp_path / "lines.jsonl"
     path.write_text("".join(json.dumps({"text": f"line {i}"}) + "\n" for i in range(50)))
     cfg = DataConfig(train_file=str(path), streaming=True, max_eval_samples=7)
-    train, held_out = mdata.load_text(cfg, seed=0)
-    train_seen = [r["text"] for rank in range(world) for r in mdata.shard_stream(train, rank, world)]
-    eval_seen = [r["text"] for rank in range(world) for r in mdata.shard_stream(held_out, rank, world)]
+    train, held_out = load_text(cfg, seed=0)
+    train_seen = [r["text"] for rank in range(world) for r in shard_stream(train, rank, world)]
+    eval_seen = [r["text"] for rank in range(world) for r in shard_stream(held_out, rank, world)]
     assert sorted(eval_seen) == sorted(f"line {i}" for i in range(7))
     assert sorted(train_seen) == sorted(f"line {i}" for i in range(7, 50))
 
 
 def test_map_style_windows_run_across_epoch_ends_like_one_process() -> None:
     table = Dataset.from_dict({"id": list(range(10))})
-    loader = mdata.train_loader(table, lambda rows: [r["id"] for r in rows], 3, 0, 1, seed=0, num_workers=0)
-    feed = mdata.TrainFeed(loader, None, accumulation=3, epoch=0, start=0, any_rank=lambda flag: flag)
+    loader = train_loader(table, lambda rows: [r["id"] for r in rows], 3, 0, 1, seed=0, num_workers=0)
+    feed = TrainFeed(loader, None, accumulation=3, epoch=0, start=0, any_rank=lambda flag: flag)
     windows = [feed.next_window() for _ in range(3)]  # 4 batches per epoch: the 2nd window spans two
     assert [len(w) for w in windows] == [3, 3, 3] and (feed.epoch, feed.index) == (2, 1)
     epoch0 = sum(windows[0] + windows[1][:1], [])
@@ -254,7 +258,7 @@ def test_two_processes_see_disjoint_samples(tmp_path: Path) -> None:
     used = []
     for rank, record in enumerate(streams):
         mine = [i for step in record["steps"] for i in step]
-        part = mdata.shard_stream(raw, rank, 2).shuffle(seed=7, buffer_size=8)
+        part = shard_stream(raw, rank, 2).shuffle(seed=7, buffer_size=8)
         full = [row["id"] for row in part]
         assert mine == full[: len(mine)]  # nothing skipped silently: only the tail after the end
         used += mine
@@ -336,15 +340,15 @@ def test_uneven_stream_parts_end_every_epoch_together(tiny_model: Path, tmp_path
 
     cfg = parse_args(tiny_args(tiny_model, corpus, out, "--streaming", "--max_train_steps", "1",
                                "--shuffle_buffer_size", "16", "--max_eval_samples", "8"))
-    raw, _ = mdata.load_text(cfg.data, cfg.training.seed)
-    part = mdata.rank_dataset(raw, AutoTokenizer.from_pretrained(tiny_model), cfg.data, 1, 2, shuffle_seed=42)
+    raw, _ = load_text(cfg.data, cfg.training.seed)
+    part = rank_dataset(raw, AutoTokenizer.from_pretrained(tiny_model), cfg.data, 1, 2, shuffle_seed=42)
     blocks = sum(1 for _ in part)
     short = math.ceil(blocks / 8)  # micro-batches of 8 blocks in rank 1's part
     assert [(int(s), int(e), int(n)) for s, e, n in ends] == [(short + 1, 0, short), (2 * short + 1, 1, short)]
     # what each part gave in epoch 0: rank 1 all of its 80 texts; rank 0 one micro-batch more (its window of
     # that step was full), the texts those blocks took, and the rest of its 80 texts left unread
     assert "the parts hold the same number of texts (one apart at most)" in proc.stderr
-    longer = mdata.rank_dataset(raw, AutoTokenizer.from_pretrained(tiny_model), cfg.data, 0, 2, shuffle_seed=42)
+    longer = rank_dataset(raw, AutoTokenizer.from_pretrained(tiny_model), cfg.data, 0, 2, shuffle_seed=42)
     longer.set_epoch(0)
     for _ in zip(range((short + 1) * 8), longer, strict=False):
         pass

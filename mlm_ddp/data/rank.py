@@ -1,0 +1,92 @@
+"""One rank's pipeline, assembled: what it tokenizes (`rank_dataset`), its loaders with their masking
+collators and the run's length (`rank_data`), and its batches on the device (`to_device`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from datasets import Dataset, IterableDataset
+from torch.utils.data import DataLoader
+
+from mlm_ddp.config import DataConfig, TrainingConfig
+from mlm_ddp.data.epochs import eval_loader, train_loader
+from mlm_ddp.data.feed import epoch_steps
+from mlm_ddp.data.pack import describe_sequences, pack_stats, tokenize_dataset
+from mlm_ddp.data.stream import PackedStream, is_stream, plan_stream_split, shard_stream, stream_sharding
+from mlm_ddp.data.text import AnyDataset
+from mlm_ddp.distributed import patient_main_process_first
+from mlm_ddp.masking import EVAL_SPLIT, TRAIN_SPLIT, MaskingCollator
+
+
+def _first_sequences(ds: Dataset, limit: int | None) -> Dataset:
+    """The first `limit` tokenized sequences (run_mlm.py's --max_train_samples: after packing)."""
+    return ds if limit is None else ds.select(range(min(limit, len(ds))))
+
+
+def rank_dataset(raw: AnyDataset, tokenizer: Any, cfg: DataConfig, rank: int, world_size: int,
+                 shuffle_seed: int | None = None) -> AnyDataset | PackedStream:
+    """What this rank tokenizes: its own part of a raw stream (a PackedStream when it is training
+    data, i.e. shuffled), or the whole map-style split (which the samplers shard, so that every
+    rank shares the one cached tokenization)."""
+    if isinstance(raw, IterableDataset):
+        split = plan_stream_split(raw, world_size)
+        part = shard_stream(raw, rank, world_size)
+        if shuffle_seed is not None:
+            return PackedStream(part, tokenizer, cfg, shuffle_seed, split=split.kind,
+                                part_bytes=None if split.part_bytes is None else split.part_bytes[rank])
+        return tokenize_dataset(part, tokenizer, cfg)
+    limit = cfg.max_train_samples if shuffle_seed is not None else cfg.max_eval_samples
+    return _first_sequences(tokenize_dataset(raw, tokenizer, cfg), limit)
+
+
+def to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    """The batch's tensors on `device`; its other values (the collator's `padded` flag) as they are."""
+    return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
+@dataclass
+class RankData:
+    """This rank's training and evaluation loaders, and the run's length in optimizer steps."""
+
+    train_ds: Any
+    train_loader: DataLoader
+    train_collator: MaskingCollator
+    eval_loader: DataLoader | None
+    total_steps: int
+    note: str  # what the start-up log says about the data
+
+
+def rank_data(data: DataConfig, training: TrainingConfig, tokenizer: Any, raw_train: AnyDataset,
+              raw_eval: AnyDataset | None, accelerator: Any, preprocessing_timeout: int,
+              layout_batch: int | None = None) -> RankData:
+    """Tokenize and pack (the main process first, the others then load its cache), and this rank's
+    loaders with their masking collators; `layout_batch`: see `train_loader`."""
+    rank, world = accelerator.process_index, accelerator.num_processes
+    with patient_main_process_first(accelerator, preprocessing_timeout):
+        train_ds = rank_dataset(raw_train, tokenizer, data, rank, world, shuffle_seed=training.seed)
+        eval_ds = None if raw_eval is None else rank_dataset(raw_eval, tokenizer, data, rank, world)
+    masking = dict(mlm_probability=data.mlm_probability, whole_word_mask=data.whole_word_mask,
+                   seed=training.seed, pad_to=data.max_seq_length if data.pad_to_max_length else 0)
+    train_collator = MaskingCollator.for_tokenizer(tokenizer, split=TRAIN_SPLIT, **masking)
+    pin = accelerator.device.type == "cuda"
+    train_dl = train_loader(train_ds, train_collator, training.per_device_train_batch_size, rank, world,
+                            training.seed, data.dataloader_num_workers, layout_batch, pin)
+    eval_dl = None if eval_ds is None else eval_loader(
+        eval_ds, MaskingCollator.for_tokenizer(tokenizer, split=EVAL_SPLIT, **masking),
+        training.per_device_eval_batch_size, rank, world, data.dataloader_num_workers, pin)
+    if is_stream(train_ds):
+        return RankData(train_ds, train_dl, train_collator, eval_dl, training.max_train_steps,
+                        f"streaming, tokenized on the fly; {stream_sharding(raw_train.num_shards, world)}; "
+                        f"{plan_stream_split(raw_train, world).note()}")
+    sampler, seq = train_dl.batch_sampler, data.max_seq_length
+    total_steps = training.max_train_steps or epoch_steps(
+        training.num_train_epochs, sampler.epoch_blocks, sampler.global_batch * training.gradient_accumulation_steps)
+    layout = "" if sampler.layout_batch == sampler.global_batch else (
+        f" (the epochs keep the layout of the run that began, {sampler.layout_batch} per micro-batch)")
+    return RankData(train_ds, train_dl, train_collator, eval_dl, total_steps,
+                    f"{describe_sequences(pack_stats(train_ds, seq), data)}, {sampler.batches_per_epoch:g} "
+                    f"micro-batches per epoch per rank, {sampler.padding} sequences repeated to fill the last "
+                    f"global batch{layout}; rank r takes slice r of every global batch")

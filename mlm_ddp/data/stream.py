@@ -1,0 +1,288 @@
+"""Streams over the ranks: the raw stream split by shards (balanced by bytes) or by texts, and the
+packed, resumable stream each rank reads.
+
+The raw texts are split before they are shuffled and tokenized (`shard_stream`). With a
+number of shards (files) divisible by the world size each rank reads only its own shards, the
+same ones every epoch; when the shards are local files their sizes are known up front and the
+files are dealt out by size (`balance_shards`), so the ranks' parts hold about as many bytes.
+Otherwise every rank reads the whole raw stream and keeps one text in world_size
+(`stream_sharding`). Either way each rank tokenizes and packs only its own texts.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import logging
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from datasets import IterableDataset, concatenate_datasets
+from datasets.distributed import split_dataset_by_node
+
+from mlm_ddp.config import DataConfig
+from mlm_ddp.data.pack import tokenize_and_pack
+from mlm_ddp.errors import BadInput
+
+# the first datasets release whose one-text shuffle buffer holds nothing between reads (PackedStream);
+# pyproject's floor, which tests/test_data.py checks against this
+STREAM_RESUME_DATASETS = (5, 1)
+
+
+def stream_sharding(num_shards: int, world_size: int) -> str:
+    """How `shard_stream` splits a stream of `num_shards` shards over `world_size` ranks, and its cost."""
+    if world_size == 1:
+        return f"one process reads all {num_shards} shard(s)"
+    if num_shards % world_size == 0:
+        return (f"{num_shards} shards over {world_size} ranks: each rank reads only its "
+                f"{num_shards // world_size} shard(s)")
+    return (f"{num_shards} shard(s) over {world_size} ranks: each rank reads every raw text and keeps "
+            f"one in {world_size} ({world_size}x raw reading, tokenizing not repeated); "
+            f"split the data into a multiple of {world_size} files to read each text once")
+
+
+def naive_shards(num_shards: int, world_size: int) -> list[list[int]]:
+    """Shard indices per rank as `datasets` deals them (`IterableDataset.shard(..., contiguous=False)`,
+    what `split_dataset_by_node` does): rank r gets shards r, r + world_size, ... of the current order."""
+    return [list(range(rank, num_shards, world_size)) for rank in range(world_size)]
+
+
+def balance_shards(sizes: list[int], world_size: int) -> list[list[int]]:
+    """Pure: shard indices per rank, each rank `len(sizes) // world_size` of them, totals close.
+
+    Greedy, largest first: each shard goes to the rank with the smallest total that still has room.
+    Ranks keep equal shard counts so DataLoader workers share them as before. A heuristic can lose to
+    a lucky file order, so the naive deal (`naive_shards`) is kept when its largest total is no
+    larger: the result is never worse than it. Needs `len(sizes) % world_size == 0`.
+    """
+    if len(sizes) % world_size:
+        raise ValueError(f"{len(sizes)} shards do not divide over {world_size} ranks")
+    room = len(sizes) // world_size
+    parts: list[list[int]] = [[] for _ in range(world_size)]
+    totals = [0] * world_size
+    for index in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        rank = min((r for r in range(world_size) if len(parts[r]) < room), key=lambda r: (totals[r], r))
+        parts[rank].append(index)
+        totals[rank] += sizes[index]
+    naive = naive_shards(len(sizes), world_size)
+    if max(sum(sizes[i] for i in part) for part in naive) <= max(totals):
+        return naive
+    return [sorted(part) for part in parts]
+
+
+def _files_of(ds: IterableDataset) -> list[str] | None:
+    """The file behind each shard of a stream loaded from files (one file per shard), else None.
+
+    `datasets` has no public accessor: its file builders keep the shard files in the examples
+    iterable's `base_files`, under any skip/take wrappers. Anything else (an in-memory table, a
+    changed layout in another `datasets` version) gives None, and the stream is split as before.
+    """
+    ex_iterable: Any = ds._ex_iterable
+    while not hasattr(ex_iterable, "kwargs") and hasattr(ex_iterable, "ex_iterable"):
+        ex_iterable = ex_iterable.ex_iterable
+    files = getattr(ex_iterable, "kwargs", {}).get("base_files")
+    if not isinstance(files, list) or len(files) != ds.num_shards:
+        return None
+    if not all(isinstance(f, str) for f in files):
+        return None
+    return files
+
+
+def shard_sizes(ds: IterableDataset) -> list[int] | None:
+    """Bytes of each shard of a stream, when every shard is one local file (else None)."""
+    files = _files_of(ds)
+    if files is None or not all(os.path.isfile(f) for f in files):
+        return None
+    return [os.path.getsize(f) for f in files]
+
+
+@dataclass(frozen=True)
+class StreamSplit:
+    """How a raw stream is split over the ranks, known before anything is read.
+
+    kind: "whole" (one process), "files" (whole shards per rank), or "texts" (one text in
+    world_size per rank: every part holds the same number of texts, give or take one).
+    part_bytes: bytes of each rank's files, when they are local files; naive_bytes: the same for
+    `datasets`' own deal of the files, for comparison.
+    """
+
+    kind: str
+    world_size: int
+    shards: list[list[int]] | None = None
+    part_bytes: list[int] | None = None
+    naive_bytes: list[int] | None = None
+
+    def note(self) -> str:
+        """The expected balance of the parts, for the start-up log."""
+        if self.kind == "whole":
+            return "one part: nothing is left unread at an epoch end"
+        if self.kind == "texts":
+            return ("the parts hold the same number of texts (one apart at most); an epoch ends when the "
+                    "first part runs out, what is left of the others is reported then")
+        if self.part_bytes is None:
+            return ("the shards' sizes are unknown (not local files), so the parts may differ in size; an "
+                    "epoch ends when the first part runs out, what is left of the others is reported then")
+        total, smallest = sum(self.part_bytes), min(self.part_bytes)
+        left = 1.0 - smallest * self.world_size / total if total else 0.0
+        naive = "" if self.naive_bytes is None else (
+            f" (dealt by position, the largest part would be {_mb(max(self.naive_bytes))})")
+        return (f"files balanced by size, parts of {', '.join(_mb(b) for b in self.part_bytes)}{naive}; an "
+                f"epoch ends when the smallest part runs out, so about {left:.1%} of the bytes (the other "
+                "parts' ends) is left unread each epoch")
+
+
+def _mb(size: int) -> str:
+    return f"{size / 1e6:.1f} MB" if size >= 1e5 else f"{size} B"
+
+
+def plan_stream_split(ds: IterableDataset, world_size: int) -> StreamSplit:
+    """Which shards each rank reads (see `shard_stream`), and their bytes when known."""
+    sizes = shard_sizes(ds)
+    if world_size == 1:
+        return StreamSplit("whole", 1, [list(range(ds.num_shards))], None if sizes is None else [sum(sizes)])
+    if ds.num_shards % world_size:
+        return StreamSplit("texts", world_size)
+    if sizes is None:
+        return StreamSplit("files", world_size)
+    shards = balance_shards(sizes, world_size)
+    naive = naive_shards(len(sizes), world_size)
+    return StreamSplit("files", world_size, shards, [sum(sizes[i] for i in part) for part in shards],
+                       [sum(sizes[i] for i in part) for part in naive])
+
+
+def _is_mine(_example: dict, index: int, rank: int, world_size: int) -> bool:
+    return index % world_size == rank
+
+
+def shard_stream(ds: IterableDataset, rank: int, world_size: int) -> IterableDataset:
+    """This rank's part of a raw stream: whole shards when they divide evenly, else every n-th text.
+
+    Whole shards: when they are local files, the rank's files are picked by `balance_shards` and
+    joined in one stream, so each part holds about as many bytes, and the same files every epoch
+    (an epoch ends for everyone when the smallest part runs out; a part 10x larger than another
+    would otherwise be 90% unread, every epoch). Reordering the files before loading would not be
+    enough: `split_dataset_by_node` deals the shards after the per-epoch shard shuffle, so a rank's
+    files change every epoch. Shards of unknown size (remote files, in-memory tables) are dealt by
+    `split_dataset_by_node`.
+
+    Not `split_dataset_by_node` in the uneven case: its example split is applied to the end of the
+    pipeline, after `map`, so every rank would tokenize and pack every text. Filtering by position
+    here, before the shuffle buffer and `map`, is a partition because every rank reads the same texts
+    in the same (seeded) shard order, and with the same number of DataLoader workers, the same shards
+    per worker.
+    """
+    if world_size == 1:
+        return ds
+    if ds.num_shards % world_size == 0:
+        split = plan_stream_split(ds, world_size)
+        if split.shards is None:
+            return split_dataset_by_node(ds, rank=rank, world_size=world_size)
+        # one single-file shard each, joined: skip/take wrappers split their count per file alike in
+        # the training and the held-out stream, so the two stay disjoint
+        return concatenate_datasets([ds.shard(num_shards=ds.num_shards, index=i, contiguous=True)
+                                     for i in split.shards[rank]])
+    return ds.filter(_is_mine, with_indices=True, fn_kwargs={"rank": rank, "world_size": world_size})
+
+
+class PackedStream(torch.utils.data.IterableDataset):
+    """This rank's training blocks from its part of a raw text stream, resumable exactly and cheaply.
+
+    The texts are read in chunks of `chunk_texts`; each chunk is shuffled with a permutation seeded
+    by (seed, epoch, chunk number), then tokenized and packed (`tokenize_and_pack`). The shards are
+    reshuffled every epoch by `datasets`' `shuffle` with a one-text buffer (from datasets 5.0 it also
+    interleaves up to 10 shards). From datasets 5.1 that buffer is empty between reads, so the
+    source's `state_dict()` names exactly the next text; before 5.1 it held one more text and every
+    resume skipped it (measured on 3.6 to 5.0.1), hence `STREAM_RESUME_DATASETS`. The position is
+    (the source's `state_dict()` before the current chunk, the chunk number, blocks of it already
+    yielded): a resume re-reads at most one chunk, never the stream from its start (datasets #5454),
+    and yields exactly the blocks an uninterrupted run would have.
+    Exact positions need `--dataloader_num_workers 0` (the state lives in this process).
+
+    It also counts what it read in the current epoch (`texts_read`, `text_bytes`, `blocks_read`;
+    kept in the position, so a resumed epoch counts on), which `TrainFeed` reports at the epoch end
+    beside `split` (how the raw stream was split) and `part_bytes` (this rank's file bytes, if known).
+    """
+
+    def __init__(self, texts: IterableDataset, tokenizer: Any, cfg: DataConfig, seed: int,
+                 split: str = "whole", part_bytes: int | None = None) -> None:
+        self.texts = texts.shuffle(seed=seed, buffer_size=1)  # the shards' order, not the texts'
+        self.tokenizer, self.cfg, self.seed = tokenizer, cfg, seed
+        self.split, self.part_bytes = split, part_bytes
+        self.epoch = 0
+        self.position: dict[str, Any] = {"epoch": 0, "source": None, "chunk": 0, "blocks": 0}
+        self._resume: dict[str, Any] | None = None
+        self.reread_texts = 0  # raw texts read a second time by the last resume (one chunk at most)
+        self.texts_read = self.text_bytes = self.blocks_read = 0  # this epoch, so far
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch, self._resume = epoch, None
+        self.position = {"epoch": epoch, "source": None, "chunk": 0, "blocks": 0}
+        self.texts_read = self.text_bytes = self.blocks_read = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return copy.deepcopy(self.position)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.set_epoch(state["epoch"])
+        self._resume = copy.deepcopy(state)
+
+    def __iter__(self) -> Iterator[dict[str, list[int]]]:
+        self.texts.set_epoch(self.epoch)
+        chunk, skip, resuming = 0, 0, False
+        if self._resume is not None and self._resume["source"] is not None:
+            resuming = True
+            # datasets warns that a shuffle buffer's content is not in a state dict; ours holds one
+            # text and is empty between reads, so there is nothing to lose
+            quiet = logging.getLogger("datasets.iterable_dataset")
+            level = quiet.level
+            quiet.setLevel(logging.ERROR)
+            try:
+                self.texts.load_state_dict(self._resume["source"])
+            finally:
+                quiet.setLevel(level)
+            chunk, skip = self._resume["chunk"], self._resume["blocks"]
+            # counts up to the chunk being resumed (checkpoints older than these counts: from 0)
+            self.texts_read = self._resume.get("texts", 0)
+            self.text_bytes = self._resume.get("bytes", 0)
+            self.blocks_read = self._resume.get("epoch_blocks", 0)
+        self._resume = None
+        rows = iter(self.texts)
+        column = self.cfg.text_column
+        while True:
+            source = self.texts.state_dict()  # before this chunk: where a resume starts reading
+            texts_before, bytes_before = self.texts_read, self.text_bytes
+            texts = [row[column] for row in itertools.islice(rows, self.cfg.shuffle_buffer_size)]
+            if not texts:
+                return
+            if resuming:
+                self.reread_texts, resuming = len(texts), False
+            self.texts_read += len(texts)
+            self.text_bytes += sum(len(t.encode()) for t in texts if isinstance(t, str))
+            order = np.random.default_rng([self.seed, self.epoch, chunk]).permutation(len(texts))
+            packed = tokenize_and_pack([texts[i] for i in order], self.tokenizer, self.cfg.max_seq_length,
+                                       with_word_continues=self.cfg.whole_word_mask,
+                                       line_by_line=self.cfg.line_by_line)
+            for k in range(skip, len(packed["input_ids"])):
+                self.blocks_read += 1
+                self.position = {"epoch": self.epoch, "source": source, "chunk": chunk, "blocks": k + 1,
+                                 "texts": texts_before, "bytes": bytes_before, "epoch_blocks": self.blocks_read}
+                yield {key: values[k] for key, values in packed.items()}
+            chunk, skip = chunk + 1, 0
+
+
+def check_stream_resume(datasets_version: str) -> None:
+    """Refuse a stream resume that would silently skip texts (a datasets older than pyproject allows)."""
+    release = tuple(int(part) for part in datasets_version.split(".")[:2] if part.isdigit())
+    if release < STREAM_RESUME_DATASETS:
+        raise BadInput(
+            f"resuming a --streaming run needs datasets >= {'.'.join(map(str, STREAM_RESUME_DATASETS))} "
+            f"(installed: {datasets_version}): older versions skip a text at every resume; upgrade datasets"
+        )
+
+
+def is_stream(ds: Any) -> bool:
+    return isinstance(ds, (IterableDataset, PackedStream))
