@@ -21,7 +21,7 @@ import shutil
 import signal
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,26 +31,12 @@ from accelerate.logging import get_logger
 from mlm_ddp.config import RunConfig
 from mlm_ddp.distributed import patient_collectives
 from mlm_ddp.errors import BadInput, CheckpointWriteError
+from mlm_ddp.heartbeat import PhaseReport, unreported
 
 logger = get_logger(__name__)
 MARKER = "COMPLETE"
 STATE_FILE = "trainer_state.json"
 SCHEDULER_FILE = "scheduler.json"
-# Settings that may differ on resume: they change what is logged or kept and how long the run goes,
-# not what an optimizer step computes. Any other change is refused.
-RESUMABLE_CHANGES = {
-    "run.output_dir", "run.overwrite_output_dir", "run.logging_steps", "run.eval_steps",
-    "run.checkpointing_steps", "run.save_total_limit", "run.resume_from_checkpoint", "run.with_tracking",
-    "run.report_to", "run.report", "run.stop_signals", "run.ddp_timeout", "run.preprocessing_timeout",
-    "run.save_timeout", "run.on_nonfinite_loss", "run.on_loss_spike", "run.loss_spike_factor",
-    "run.loss_spike_window", "run.peak_tflops", "training.max_train_steps", "training.num_train_epochs",
-    "training.cpu_threads",
-    "data.preprocessing_num_workers", "model.mlm_head", "model.fsdp_wrap_classes", "training.optimizer_impl",
-    "training.torch_compile", "run.push_to_hub", "run.hub_model_id", "run.hub_token", "data.overwrite_cache",
-    "model.trust_remote_code", "model.low_cpu_mem_usage", "model.gradient_checkpointing",
-}
-# how the global batch is split: may change on resume when the product with the processes is kept
-BATCH_SPLIT = {"training.per_device_train_batch_size", "training.gradient_accumulation_steps"}
 SAFE_LOADING_TORCH = (2, 4)  # pyproject's torch floor; tests/test_neighbours.py checks they agree
 # FSDP with SHARDED_STATE_DICT: accelerate's folders for model 0 and optimizer 0, each a
 # torch.distributed.checkpoint folder
@@ -126,42 +112,11 @@ def set_aside_later(output_dir: str | Path, step: int) -> Path | None:
     return aside
 
 
-def resolve_resume(spec: str, output_dir: str | Path) -> Path:
-    """'latest' -> the newest complete checkpoint of output_dir; else the folder given, checked."""
-    if spec == "latest":
-        found = complete_checkpoints(output_dir)
-        if not found:
-            raise BadInput(
-                f"--resume_from_checkpoint latest: no complete checkpoint in {checkpoints_dir(output_dir)}"
-            )
-        return found[-1]
-    path = Path(spec)
-    if not path.is_dir():
-        raise BadInput(f"--resume_from_checkpoint {spec}: no such folder")
-    if not is_complete(path):
-        raise BadInput(
-            f"--resume_from_checkpoint {spec}: not a complete mlm_ddp checkpoint (no {MARKER} marker "
-            f"or {STATE_FILE}); it may be a save that was interrupted"
-        )
-    return path
-
-
 def read_state(path: Path) -> TrainerState:
     try:
         return TrainerState(**json.loads((path / STATE_FILE).read_text()))
     except (ValueError, TypeError) as err:
         raise BadInput(f"{path / STATE_FILE}: unreadable trainer state ({err})") from err
-
-
-def config_changes(saved: dict, current: dict) -> dict[str, tuple[object, object]]:
-    """'section.key' -> (saved value, current value) for every setting that differs."""
-    changes = {}
-    for section in sorted(set(saved) | set(current)):
-        old, new = saved.get(section) or {}, current.get(section) or {}
-        for key in sorted(set(old) | set(new)):
-            if old.get(key) != new.get(key):
-                changes[f"{section}.{key}"] = (old.get(key), new.get(key))
-    return changes
 
 
 def check_safe_loading(torch_version: str) -> None:
@@ -210,11 +165,11 @@ def check_dcp_metadata(path: Path) -> None:
                           "not written by mlm_ddp") from err
 
 
-def check_resume(path: Path, current: dict, world_size: int,
-                 sharded: bool = False) -> tuple[TrainerState, dict]:
-    """The state to continue from, after checking that this run may continue it; also returns the
-    accepted config changes (to be logged). Refusals name what differs. Another number of processes
-    is accepted when the global batch is kept (`check_global_batch`)."""
+def check_files(path: Path, world_size: int, sharded: bool) -> tuple[TrainerState, dict]:
+    """A checkpoint folder checked before anything loads it: written by this kind of run (sharded or
+    not; an FSDP one on this number of processes), every file present, sharded metadata that runs no
+    code. Returns its state and the config it was written with (run_folder.check_resume decides
+    whether this run may continue it)."""
     import torch
 
     check_safe_loading(torch.__version__)
@@ -245,79 +200,7 @@ def check_resume(path: Path, current: dict, world_size: int,
         saved = yaml.safe_load((path / "config.yaml").read_text())
     except yaml.YAMLError as err:
         raise BadInput(f"{path / 'config.yaml'}: unreadable ({err})") from err
-    saved = saved if isinstance(saved, dict) else {}
-    old_batch, old_accumulation = _batch_split(saved)
-    check_global_batch(path, (old_batch, state.world_size, old_accumulation), (*_batch_split(current), world_size))
-    changes = config_changes(saved, current)
-    refused = {k: v for k, v in changes.items() if k not in RESUMABLE_CHANGES | BATCH_SPLIT}
-    if refused:
-        listed = "; ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in refused.items())
-        raise BadInput(
-            f"{path} was written with other settings ({listed}). They change what a step computes, so "
-            "the resumed run would not continue the same training: resume with the checkpoint's "
-            "settings (its config.yaml), or start a new run in another --output_dir"
-        )
-    if state.layout_batch is None:  # written before layouts were saved: its own micro-batch
-        state.layout_batch = old_batch * state.world_size
-    if state.block_in_epoch is None:
-        state.block_in_epoch = state.batch_in_epoch * state.layout_batch
-    return state, changes
-
-
-def _batch_split(config: dict) -> tuple[int, int]:
-    """(per-device batch, accumulation) of a config dict."""
-    training = config.get("training") or {}
-    return int(training.get("per_device_train_batch_size") or 0), int(training.get("gradient_accumulation_steps") or 1)
-
-
-def check_global_batch(path: Path, written: tuple[int, int, int], now: tuple[int, int, int]) -> None:
-    """Refuse a resume whose global batch (per-device batch x processes x accumulation) differs from
-    the checkpoint's, with the arithmetic and the flags that would keep it."""
-    (old_batch, old_world, old_accumulation), (batch, world, accumulation) = written, now
-    kept = old_batch * old_world * old_accumulation
-    if batch * world * accumulation == kept:
-        return
-    if kept % world:
-        fix = (f"{kept} sequences do not split over {world} processes: resume on a number of processes that "
-               f"divides {kept}")
-    else:
-        per_process = kept // world
-        options = ([f"--gradient_accumulation_steps {per_process // batch}"] if per_process % batch == 0 else []) + (
-            [f"--per_device_train_batch_size {per_process // accumulation}"] if per_process % accumulation == 0 else [])
-        options = options or [f"--per_device_train_batch_size {per_process} --gradient_accumulation_steps 1"]
-        fix = (f"with {world} process(es), per-device batch x accumulation must be {per_process}: use "
-               + " or ".join(options))
-    raise BadInput(
-        f"{path} was written with a global batch of {kept} sequences per optimizer step ({old_batch} per device x "
-        f"{old_world} process(es) x {old_accumulation} accumulation) and this run's is {batch * world * accumulation} "
-        f"({batch} x {world} x {accumulation}); another global batch would change what every step computes. "
-        f"Keep it: {fix}"
-    )
-
-
-def elastic_stream_start(path: Path, state: TrainerState, world_size: int,
-                         file_bytes: int | None) -> tuple[TrainerState, str]:
-    """Where a stream checkpoint of another number of processes resumes: each rank's saved position
-    is in its own part of the stream, which another number of processes splits differently, so the
-    run goes on at the next epoch's start; returns that state and the log line saying what is skipped
-    (`file_bytes`: the stream's files' size, when they are local files)."""
-    if state.batch_in_epoch == 0:
-        return replace(state, world_size=world_size), (
-            f"the stream resumes at the start of epoch {state.epoch} on {world_size} process(es) "
-            f"(written by {state.world_size}); nothing is skipped")
-    reads = [read_data_state(path, rank) or {} for rank in range(state.world_size)]
-    blocks = sum(r.get("epoch_blocks", 0) for r in reads)
-    texts, text_bytes = sum(r.get("texts", 0) for r in reads), sum(r.get("bytes", 0) for r in reads)
-    line = (f"the stream checkpoint {path.name} was written by {state.world_size} process(es) and this run has "
-            f"{world_size}: their parts of the stream differ, so training goes on at the start of epoch "
-            f"{state.epoch + 1}; the rest of epoch {state.epoch} is skipped. Its {state.world_size} part(s) had "
-            f"trained on {blocks} packed block(s) of it, from {texts} text(s) ({text_bytes / 1e6:.1f} MB) before "
-            "each part's current chunk and part of that chunk")
-    if file_bytes:
-        skipped = max(file_bytes - text_bytes, 0)
-        line += (f"; the stream's files hold {file_bytes / 1e6:.1f} MB, so at most {skipped / 1e6:.1f} MB "
-                 f"({skipped / file_bytes:.0%}) of the epoch is skipped")
-    return replace(state, epoch=state.epoch + 1, batch_in_epoch=0, block_in_epoch=0, world_size=world_size), line
+    return state, saved if isinstance(saved, dict) else {}
 
 
 def data_state_name(rank: int) -> str:
@@ -447,12 +330,13 @@ class Checkpointer:
     collectives (the waits on the main process run on `wait`'s long-timeout group)."""
 
     def __init__(self, run: RunConfig, accelerator: Any, wait: Any, scheduler: Any, config_yaml: str,
-                 resumed_step: int | None, before_marker: Callable[[], None] | None = None) -> None:
+                 resumed_step: int | None, before_marker: Callable[[], None] | None = None,
+                 beat: PhaseReport = unreported) -> None:
         self.out, self.every, self.keep = Path(run.output_dir), run.checkpointing_steps, run.save_total_limit
         # saves and loads: their collectives (FSDP, torch.distributed.checkpoint) wait --save_timeout
         self.patient = functools.partial(patient_collectives, run.save_timeout, run.ddp_timeout)
         self.accelerator, self.wait, self.scheduler = accelerator, wait, scheduler
-        self.config_yaml, self.before_marker = config_yaml, before_marker
+        self.config_yaml, self.before_marker, self.beat = config_yaml, before_marker, beat
         self.saved_step = resumed_step  # the step of this run's newest complete checkpoint
 
     def due(self, step: int, epoch_ended: bool) -> bool:
@@ -462,6 +346,7 @@ class Checkpointer:
     def maybe(self, step: int, epoch_ended: bool, position: Position) -> None:
         """After an optimizer step: save if this step is due. `position` is called only then (it may
         hold a collective)."""
+        self.beat(step, "checkpoint")
         if self.due(step, epoch_ended):
             self.save(*position())
 
@@ -533,12 +418,13 @@ class Checkpointer:
 
     def save_for_stop(self, state: TrainerState, data_state: dict | None) -> Path:
         """The checkpoint of a stop at this step boundary: saved now, unless this step's exists."""
+        self.beat(state.step, "checkpoint")
         if self.saved_step == state.step:
             return checkpoints_dir(self.out) / step_dir_name(state.step)
         return self.save(state, data_state)
 
     def restore(self, path: Path, accepted_changes: dict, step: int) -> None:
-        """Load a checkpoint that `check_resume` accepted. Tensors come from safetensors or from
+        """Load a checkpoint that `run_folder.check_resume` accepted. Tensors come from safetensors or from
         `torch.load(weights_only=True)` (accelerate's default), the scheduler from JSON: a folder that
         holds anything else is refused, never executed."""
         import torch

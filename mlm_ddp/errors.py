@@ -6,6 +6,8 @@ A leaf module: it imports nothing from the package, and every other module may r
 
 from __future__ import annotations
 
+import sys
+
 # Exit codes of `python -m mlm_ddp.train` and of each Submitit task (README "Exit codes").
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_NONFINITE = 0, 1, 2, 3
 EXIT_REQUEUE = 75  # sysexits' EX_TEMPFAIL: "try again later", the one code a scheduler should requeue on
@@ -59,3 +61,11 @@ class AlreadyFinished(RunEnded):
     """--resume_from_checkpoint auto on a run that finished: nothing to do, a success."""
 
     exit_code, is_error = EXIT_OK, False
+
+
+def say(line: str) -> None:
+    """One line on stderr in one write: every rank may print its error at the same moment into the
+    launcher's one pipe, and print() writes the text and its newline apart (unbuffered stderr), so
+    two ranks' lines could run into one."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()

@@ -16,9 +16,10 @@ from torch.utils.data import DataLoader
 
 from mlm_ddp import data as mdata
 from mlm_ddp.distributed import sharded
+from mlm_ddp.heartbeat import PhaseReport, unreported
 from mlm_ddp.masking import IGNORE_INDEX
 from mlm_ddp.model import check_loss_sum
-from mlm_ddp.run_log import TrainingClock
+from mlm_ddp.run_log import RunLog, TrainingClock
 
 logger = get_logger(__name__)
 Batch = dict[str, torch.Tensor]
@@ -81,21 +82,27 @@ class Evaluator:
     last step. Every rank calls `maybe` after every step (evaluation holds collectives)."""
 
     def __init__(self, eval_steps: int | None, total_steps: int, accelerator: Accelerator,
-                 model: torch.nn.Module, loader: DataLoader | None) -> None:
+                 model: torch.nn.Module, loader: DataLoader | None, beat: PhaseReport = unreported) -> None:
         self.every, self.total_steps, self.accelerator = eval_steps, total_steps, accelerator
-        self.model, self.loader = model, loader
+        self.model, self.loader, self.beat = model, loader, beat
         self.first: dict[str, float] | None = None  # before training (of the run a resume continues)
         self.last: dict[str, float] | None = None  # the latest evaluation during training
 
-    def before_training(self) -> dict[str, float] | None:
-        result = evaluate_mlm(self.model, self.loader, self.accelerator)
-        if result:
+    def before_training(self, step: int, log: RunLog, resumed: bool) -> None:
+        """The evaluation before training (step 0 of metrics.jsonl); a resumed run takes its own run's."""
+        self.beat(step, "eval")
+        if resumed:
+            self.first = log.first_eval()
+            return
+        self.first = evaluate_mlm(self.model, self.loader, self.accelerator)
+        if self.first:
             logger.info("eval before training: loss %.4f, perplexity %.2f, accuracy %.3f",
-                        result["loss"], result["perplexity"], result["accuracy"])
-        return result
+                        self.first["loss"], self.first["perplexity"], self.first["accuracy"])
+            log.write({"step": 0, "epoch": 0.0, **record_fields(self.first)}, with_tokens=False)
 
     def maybe(self, step: int, epoch: float, clock: TrainingClock) -> dict[str, Any]:
         """After an optimizer step: on an evaluation step the record's eval fields, else {}."""
+        self.beat(step, "eval")
         if step != self.total_steps and not (self.every and step % self.every == 0):
             return {}
         with clock.paused():  # evaluation is not training time

@@ -23,6 +23,9 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import NoReturn
+
+from mlm_ddp.errors import say
 
 FOLDER = "heartbeat"
 RECORD_BYTES = 512  # every record is padded to this, so a rewrite in place never leaves a longer one's tail
@@ -31,6 +34,13 @@ PHASES = ("start", "data", "forward/backward", "optimizer", "log", "eval", "chec
 # train.fit's beats per optimizer step: data, its all-reduce, forward/backward, optimizer, log, eval,
 # checkpoint (tests/test_spikes.py counts them in a finished run; bench.py prices them)
 BEATS_PER_STEP = 7
+
+
+PhaseReport = Callable[[int, str], None]  # (step, phase): what a part of the loop calls as it starts its phase
+
+
+def unreported(_step: int, _phase: str) -> None:
+    """A part of the loop made without a heartbeat (bench, tests) reports its phases nowhere."""
 
 
 def rank_file(output_dir: str | Path, rank: int) -> Path:
@@ -70,30 +80,66 @@ class Watch:
         return timeout - max(1.5 * ALIVE_EVERY_S, 0.05 * timeout)
 
 
+SAVE_PHASES = ("checkpoint", "final save")  # their waits are on the long-timeout group (--save_timeout)
+
+
+def watchdog(ddp_timeout: float, save_timeout: float, output_dir: str | Path, rank: int,
+             lost_contact: Callable[[Exception], str], prog: str, exit_code: int) -> Watch:
+    """The watchdog of a run: it names a hang on every backend, before NCCL's own watchdog aborts the
+    process without a word, records it in `heartbeat/hang-rank-N.json`, and ends the process with
+    `exit_code` (the run's rank that waits; the launcher then stops the others). `lost_contact` words
+    the cause as a lost peer (distributed.lost_contact)."""
+    def timeout_s(phase: str) -> float:
+        return save_timeout if phase in SAVE_PHASES else ddp_timeout
+
+    def on_stall(line: str, waited: float, timeout: float) -> NoReturn:
+        from mlm_ddp.checkpoint import write_atomic  # checkpoint.py reports its phase here: imported late
+
+        cause = TimeoutError(f"no progress for {waited:.0f} s in a phase whose collectives time out after "
+                             f"{timeout:.0f} s: named by mlm_ddp's watchdog before the backend's own timeout")
+        record = {"rank": rank, "waited_s": round(waited, 1), "timeout_s": timeout, "hang": line, "at": time.time()}
+        write_atomic(Path(output_dir) / FOLDER / f"hang-rank-{rank:05d}.json", json.dumps(record))
+        say(f"{prog}: error: {lost_contact(cause)}\n{prog}: error: hang: {line}")
+        os._exit(exit_code)  # the main thread is stuck in the collective: end here, as NCCL would, but named
+
+    return Watch(timeout_s, on_stall)
+
+
 class Heartbeat:
     """This rank's heartbeat file. `beat(step, phase, collective)` costs one pwrite; `on_beat` is a
-    test seam called after each beat (train.Hooks); `watch`: the watchdog (`Watch`)."""
+    test seam called after each beat (train.Hooks); `watch`: the watchdog (`Watch`). The parts of the
+    loop that do a phase beat it themselves (`train.read_window`, `train.agree`, `step.train_step`,
+    `RunLog.maybe`, `Evaluator.maybe`, `Checkpointer.maybe`)."""
 
     def __init__(self, output_dir: str | Path, rank: int, world: int,
-                 on_beat: Callable[[Beat], None] | None = None, watch: Watch | None = None) -> None:
-        self.output_dir, self.watch = Path(output_dir), watch
-        path = rank_file(output_dir, rank)
+                 on_beat: Callable[[Beat], None] | None = None, watch: Watch | None = None, start: bool = True) -> None:
+        self.output_dir, self.watch, self.on_beat = Path(output_dir), watch, on_beat
+        self.rank, self.world = rank, world
+        self._fd: int | None = None
+        self._lock = threading.Lock()
+        self._closed = threading.Event()
+        if start:
+            self.start()
+
+    def start(self) -> None:
+        """Create this rank's file and start the alive thread. A run makes its heartbeat before its first
+        write (the parts that beat take it then) and starts it after its folder is prepared."""
+        path = rank_file(self.output_dir, self.rank)
         path.parent.mkdir(parents=True, exist_ok=True)
-        if rank == 0:  # the files of ranks an earlier run of this folder had and this one has not
+        if self.rank == 0:  # the files of ranks an earlier run of this folder had and this one has not
             for stale in path.parent.glob("rank-*.json"):
-                if stale.stem.split("-")[1].isdigit() and int(stale.stem.split("-")[1]) >= world:
+                if stale.stem.split("-")[1].isdigit() and int(stale.stem.split("-")[1]) >= self.world:
                     stale.unlink(missing_ok=True)
         self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         now = time.time()
-        self.last = Beat(rank, world, socket.gethostname(), os.getpid(), 0, "start", None, now, 0, now)
-        self.on_beat = on_beat
-        self._lock = threading.Lock()
-        self._closed = threading.Event()
+        self.last = Beat(self.rank, self.world, socket.gethostname(), os.getpid(), 0, "start", None, now, 0, now)
         self._write()
         self._thread = threading.Thread(target=self._keep_alive, name="mlm_ddp-heartbeat", daemon=True)
         self._thread.start()
 
     def beat(self, step: int, phase: str, collective: str | None = None) -> None:
+        if self._fd is None:
+            raise RuntimeError("Heartbeat.beat before Heartbeat.start")
         now = time.time()
         with self._lock:
             self.last = Beat(self.last.rank, self.last.world, self.last.host, self.last.pid, step, phase, collective,
@@ -121,7 +167,7 @@ class Heartbeat:
 
     def close(self) -> None:
         """The last beat of a finished run; the file stays, saying where this rank ended."""
-        if not self._closed.is_set():
+        if not self._closed.is_set() and self._fd is not None:
             self.beat(self.last.step, "done")
         self.stop()
 
@@ -131,7 +177,8 @@ class Heartbeat:
             if self._closed.is_set():
                 return
             self._closed.set()
-            os.close(self._fd)
+            if self._fd is not None:  # started
+                os.close(self._fd)
 
 
 def read_beats(output_dir: str | Path) -> dict[int, Beat]:

@@ -1,26 +1,35 @@
-"""The run's folder, --output_dir: whether this run may use it (never another run's outputs unasked),
-and what the run writes at its top level: `config.yaml`, `stopped.json`, `summary.json`, `final/`,
-`report.html`. Checkpoints (`checkpoints/`) are `checkpoint.py`'s, metrics and logs `run_log.py`'s.
+"""The run's folder, --output_dir, and the one home of its policy: may this run use the folder (never
+another run's outputs unasked), and from which checkpoint, with which counters, does it start.
+`RunFolder(cfg).plan(...)` answers both before anything is written, as one value (`Start`) that the
+run passes on; `prepare` is the run's first write.
+
+Also what the run writes at its top level: `config.yaml`, `stopped.json`, `summary.json`, `final/`,
+`report.html`. Checkpoint files (`checkpoints/`: write, validate, rotate, restore) are
+`checkpoint.py`'s; metrics and logs `run_log.py`'s.
 """
 
 from __future__ import annotations
 
 import json
 import shutil
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import datasets
 import yaml
 from accelerate import Accelerator
 from accelerate.logging import get_logger
 
 from mlm_ddp import checkpoint as ckpt
+from mlm_ddp import data as mdata
 from mlm_ddp.config import Config
 from mlm_ddp.distributed import MainProcessWait
 from mlm_ddp.errors import EXIT_REQUEUE, AlreadyFinished, BadInput
 from mlm_ddp.model import from_scratch, inner_state_dict
 from mlm_ddp.report import write_report
+from mlm_ddp.run_log import read_metrics_lines
 
 logger = get_logger(__name__)
 STOPPED_FILE = "stopped.json"  # why a run stopped early; torchrun turns every worker exit code into 1
@@ -30,13 +39,41 @@ RUN_OUTPUTS = ("config.yaml", "metrics.jsonl", SUMMARY_FILE, "final", "checkpoin
                "report.html", "report_plots")
 
 
-@dataclass(frozen=True)
-class OutputPlan:
-    """What the run does with --output_dir, decided before anything is written."""
+# Settings that may differ on resume: they change what is logged or kept and how long the run goes,
+# not what an optimizer step computes. Any other change is refused.
+RESUMABLE_CHANGES = {
+    "run.output_dir", "run.overwrite_output_dir", "run.logging_steps", "run.eval_steps",
+    "run.checkpointing_steps", "run.save_total_limit", "run.resume_from_checkpoint", "run.with_tracking",
+    "run.report_to", "run.report", "run.stop_signals", "run.ddp_timeout", "run.preprocessing_timeout",
+    "run.save_timeout", "run.on_nonfinite_loss", "run.on_loss_spike", "run.loss_spike_factor",
+    "run.loss_spike_window", "run.peak_tflops", "training.max_train_steps", "training.num_train_epochs",
+    "training.cpu_threads",
+    "data.preprocessing_num_workers", "model.mlm_head", "model.fsdp_wrap_classes", "training.optimizer_impl",
+    "training.torch_compile", "run.push_to_hub", "run.hub_model_id", "run.hub_token", "data.overwrite_cache",
+    "model.trust_remote_code", "model.low_cpu_mem_usage", "model.gradient_checkpointing",
+}
+# how the global batch is split: may change on resume when the product with the processes is kept
+BATCH_SPLIT = {"training.per_device_train_batch_size", "training.gradient_accumulation_steps"}
 
-    resume_from: Path | None  # the checkpoint to continue from
-    clear_earlier: bool  # remove the outputs already there (RUN_OUTPUTS) before starting
-    own_checkpoint: bool  # resume_from lies in --output_dir (not another run's folder)
+
+@dataclass(frozen=True)
+class Start:
+    """Where this run starts, decided before anything is written (`RunFolder.plan`): the one value the
+    rest of the run takes its start from."""
+
+    state: ckpt.TrainerState  # the counters it continues from: step 0's, or the checkpoint's
+    world_size: int  # this run's processes
+    resume_from: Path | None = None  # the checkpoint to continue from
+    clear_earlier: bool = False  # remove the outputs already there (RUN_OUTPUTS) before starting
+    own_checkpoint: bool = False  # resume_from lies in --output_dir (not another run's folder)
+    accepted_changes: dict = field(default_factory=dict)  # settings the checkpoint was written with that change
+    written_by: int = 0  # processes that wrote resume_from (this run's when starting afresh)
+    note: str | None = None  # what a stream resumed on another number of processes skips
+
+    @property
+    def elastic(self) -> bool:
+        """Resuming a checkpoint that another number of processes wrote."""
+        return self.written_by != self.world_size
 
 
 def finished_summary(out: Path) -> dict | None:
@@ -47,6 +84,133 @@ def finished_summary(out: Path) -> dict | None:
     except (OSError, ValueError):
         return None
     return summary if isinstance(summary, dict) else None
+
+
+def resolve_resume(spec: str, output_dir: str | Path) -> Path:
+    """'latest' -> the newest complete checkpoint of output_dir; else the folder given, checked."""
+    if spec == "latest":
+        found = ckpt.complete_checkpoints(output_dir)
+        if not found:
+            raise BadInput(
+                f"--resume_from_checkpoint latest: no complete checkpoint in {ckpt.checkpoints_dir(output_dir)}"
+            )
+        return found[-1]
+    path = Path(spec)
+    if not path.is_dir():
+        raise BadInput(f"--resume_from_checkpoint {spec}: no such folder")
+    if not ckpt.is_complete(path):
+        raise BadInput(
+            f"--resume_from_checkpoint {spec}: not a complete mlm_ddp checkpoint (no {ckpt.MARKER} marker "
+            f"or {ckpt.STATE_FILE}); it may be a save that was interrupted"
+        )
+    return path
+
+
+def config_changes(saved: dict, current: dict) -> dict[str, tuple[object, object]]:
+    """'section.key' -> (saved value, current value) for every setting that differs."""
+    changes = {}
+    for section in sorted(set(saved) | set(current)):
+        old, new = saved.get(section) or {}, current.get(section) or {}
+        for key in sorted(set(old) | set(new)):
+            if old.get(key) != new.get(key):
+                changes[f"{section}.{key}"] = (old.get(key), new.get(key))
+    return changes
+
+
+def check_resume(path: Path, current: dict, world_size: int,
+                 sharded: bool = False) -> tuple[ckpt.TrainerState, dict]:
+    """The state to continue from, after checking that this run may continue it; also returns the
+    accepted config changes (to be logged). Refusals name what differs. Another number of processes
+    is accepted when the global batch is kept (`check_global_batch`)."""
+    state, saved = ckpt.check_files(path, world_size, sharded)
+    old_batch, old_accumulation = _batch_split(saved)
+    check_global_batch(path, (old_batch, state.world_size, old_accumulation), (*_batch_split(current), world_size))
+    changes = config_changes(saved, current)
+    refused = {k: v for k, v in changes.items() if k not in RESUMABLE_CHANGES | BATCH_SPLIT}
+    if refused:
+        listed = "; ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in refused.items())
+        raise BadInput(
+            f"{path} was written with other settings ({listed}). They change what a step computes, so "
+            "the resumed run would not continue the same training: resume with the checkpoint's "
+            "settings (its config.yaml), or start a new run in another --output_dir"
+        )
+    if state.layout_batch is None:  # written before layouts were saved: its own micro-batch
+        state.layout_batch = old_batch * state.world_size
+    if state.block_in_epoch is None:
+        state.block_in_epoch = state.batch_in_epoch * state.layout_batch
+    return state, changes
+
+
+def _batch_split(config: dict) -> tuple[int, int]:
+    """(per-device batch, accumulation) of a config dict."""
+    training = config.get("training") or {}
+    return int(training.get("per_device_train_batch_size") or 0), int(training.get("gradient_accumulation_steps") or 1)
+
+
+def check_global_batch(path: Path, written: tuple[int, int, int], now: tuple[int, int, int]) -> None:
+    """Refuse a resume whose global batch (per-device batch x processes x accumulation) differs from
+    the checkpoint's, with the arithmetic and the flags that would keep it."""
+    (old_batch, old_world, old_accumulation), (batch, world, accumulation) = written, now
+    kept = old_batch * old_world * old_accumulation
+    if batch * world * accumulation == kept:
+        return
+    if kept % world:
+        fix = (f"{kept} sequences do not split over {world} processes: resume on a number of processes that "
+               f"divides {kept}")
+    else:
+        per_process = kept // world
+        options = ([f"--gradient_accumulation_steps {per_process // batch}"] if per_process % batch == 0 else []) + (
+            [f"--per_device_train_batch_size {per_process // accumulation}"] if per_process % accumulation == 0 else [])
+        options = options or [f"--per_device_train_batch_size {per_process} --gradient_accumulation_steps 1"]
+        fix = (f"with {world} process(es), per-device batch x accumulation must be {per_process}: use "
+               + " or ".join(options))
+    raise BadInput(
+        f"{path} was written with a global batch of {kept} sequences per optimizer step ({old_batch} per device x "
+        f"{old_world} process(es) x {old_accumulation} accumulation) and this run's is {batch * world * accumulation} "
+        f"({batch} x {world} x {accumulation}); another global batch would change what every step computes. "
+        f"Keep it: {fix}"
+    )
+
+
+def elastic_stream_start(path: Path, state: ckpt.TrainerState, world_size: int,
+                         file_bytes: int | None) -> tuple[ckpt.TrainerState, str]:
+    """Where a stream checkpoint of another number of processes resumes: each rank's saved position
+    is in its own part of the stream, which another number of processes splits differently, so the
+    run goes on at the next epoch's start; returns that state and the log line saying what is skipped
+    (`file_bytes`: the stream's files' size, when they are local files)."""
+    if state.batch_in_epoch == 0:
+        return replace(state, world_size=world_size), (
+            f"the stream resumes at the start of epoch {state.epoch} on {world_size} process(es) "
+            f"(written by {state.world_size}); nothing is skipped")
+    reads = [ckpt.read_data_state(path, rank) or {} for rank in range(state.world_size)]
+    blocks = sum(r.get("epoch_blocks", 0) for r in reads)
+    texts, text_bytes = sum(r.get("texts", 0) for r in reads), sum(r.get("bytes", 0) for r in reads)
+    line = (f"the stream checkpoint {path.name} was written by {state.world_size} process(es) and this run has "
+            f"{world_size}: their parts of the stream differ, so training goes on at the start of epoch "
+            f"{state.epoch + 1}; the rest of epoch {state.epoch} is skipped. Its {state.world_size} part(s) had "
+            f"trained on {blocks} packed block(s) of it, from {texts} text(s) ({text_bytes / 1e6:.1f} MB) before "
+            "each part's current chunk and part of that chunk")
+    if file_bytes:
+        skipped = max(file_bytes - text_bytes, 0)
+        line += (f"; the stream's files hold {file_bytes / 1e6:.1f} MB, so at most {skipped / 1e6:.1f} MB "
+                 f"({skipped / file_bytes:.0%}) of the epoch is skipped")
+    return replace(state, epoch=state.epoch + 1, batch_in_epoch=0, block_in_epoch=0, world_size=world_size), line
+
+
+FolderPlan = tuple[Path | None, bool, bool]  # (resume from, clear the earlier outputs, a checkpoint of this folder)
+
+
+def agree_on_resume(resume_from: Path | None, wait: MainProcessWait) -> None:
+    """Every rank found the same checkpoint to resume from (each resolved `latest`/`auto` from its own view
+    of the folder, before the processes could talk), or every rank stops here, before anything is written
+    (a collective on the long-timeout group)."""
+    views = wait.gather(None if resume_from is None else str(resume_from))
+    if len(set(views)) > 1:
+        seen = "; ".join(f"rank {rank}: {view or 'none (a fresh start)'}" for rank, view in enumerate(views)
+                         if view != views[0] or rank == 0)
+        raise BadInput(f"the processes found different checkpoints to resume from ({seen}): the output folder "
+                       "looks different from different nodes (a filesystem that caches listings, or a copy per "
+                       "node); let it settle and launch again, or pass --resume_from_checkpoint with one folder")
 
 
 class RunFolder:
@@ -69,11 +233,32 @@ class RunFolder:
             saved = yaml.safe_load(saved_path.read_text())
         except (OSError, yaml.YAMLError):
             return False
-        changes = ckpt.config_changes(saved if isinstance(saved, dict) else {}, self.cfg.to_dict())
-        return all(key in ckpt.RESUMABLE_CHANGES for key in changes)
+        changes = config_changes(saved if isinstance(saved, dict) else {}, self.cfg.to_dict())
+        return all(key in RESUMABLE_CHANGES for key in changes)
 
-    def plan(self) -> OutputPlan:
-        """Refuse to clobber another run unasked, whatever the resume source; say what to resume from."""
+    def plan(self, world_size: int, sharded: bool, stream_bytes: Callable[[], int | None]) -> Start:
+        """May this run use --output_dir, and where does it start: refuse to clobber another run unasked,
+        whatever the resume source; find the checkpoint and check that this run may continue it (the same
+        settings and global batch; a stream on another number of processes goes on at the next epoch,
+        `stream_bytes`: what its local files hold, or None). Nothing is written."""
+        path, clear_earlier, own = self._folder_plan()
+        if path is None:
+            fresh = ckpt.TrainerState(step=0, epoch=0, batch_in_epoch=0, tokens_seen=0, world_size=world_size)
+            return Start(fresh, world_size, None, clear_earlier, written_by=world_size)
+        data = self.cfg.data
+        state, changes = check_resume(path, self.cfg.to_dict(), world_size, sharded=sharded)
+        if data.streaming:
+            mdata.check_stream_resume(datasets.__version__)
+        metrics = self.path / "metrics.jsonl"
+        if own and metrics.exists():
+            read_metrics_lines(metrics)  # a damaged line stops every rank here, not rank 0 later
+        written_by, note = state.world_size, None
+        if data.streaming and written_by != world_size:
+            state, note = elastic_stream_start(path, state, world_size, stream_bytes())
+        return Start(state, world_size, path, clear_earlier, own, changes, written_by, note)
+
+    def _folder_plan(self) -> FolderPlan:
+        """The folder's part of the plan: what to resume from, whether to clear what is there."""
         out, run = self.path, self.cfg.run
         if out.exists() and not out.is_dir():
             raise BadInput(f"--output_dir {out} exists and is not a folder")
@@ -91,9 +276,9 @@ class RunFolder:
                     if done else "pass ")
             raise BadInput(f"--output_dir {out} already holds an unfinished run ({', '.join(earlier)}); "
                            f"{hint}--overwrite_output_dir to start over")
-        return OutputPlan(None, clear_earlier=run.overwrite_output_dir and bool(earlier), own_checkpoint=False)
+        return None, run.overwrite_output_dir and bool(earlier), False
 
-    def _plan_auto(self, earlier: list[str]) -> OutputPlan:
+    def _plan_auto(self, earlier: list[str]) -> FolderPlan:
         out = self.path
         if self.cfg.run.overwrite_output_dir:
             raise BadInput("--resume_from_checkpoint auto and --overwrite_output_dir contradict each other")
@@ -101,7 +286,7 @@ class RunFolder:
             raise AlreadyFinished(f"--output_dir {out} holds a finished run: nothing to do")
         done = ckpt.complete_checkpoints(out)
         if done:
-            return OutputPlan(done[-1], clear_earlier=False, own_checkpoint=True)
+            return done[-1], False, True
         if earlier and not self._is_same_run():
             raise BadInput(
                 f"--resume_from_checkpoint auto: --output_dir {out} holds another run ({', '.join(earlier)}; "
@@ -109,11 +294,11 @@ class RunFolder:
                 "that folder if it is not needed"
             )
         # an earlier attempt of this run died before its first checkpoint: nothing to continue from
-        return OutputPlan(None, clear_earlier=bool(earlier), own_checkpoint=False)
+        return None, bool(earlier), False
 
-    def _plan_resume(self, spec: str, earlier: list[str]) -> OutputPlan:
+    def _plan_resume(self, spec: str, earlier: list[str]) -> FolderPlan:
         out, overwrite = self.path, self.cfg.run.overwrite_output_dir
-        path = ckpt.resolve_resume(spec, out)
+        path = resolve_resume(spec, out)
         own = out.resolve() in path.resolve().parents
         if own and overwrite:
             raise BadInput(f"--resume_from_checkpoint {spec} lies in --output_dir {out}, which "
@@ -124,14 +309,14 @@ class RunFolder:
                 "overwrite its metrics, checkpoints and model: choose an empty --output_dir, or pass "
                 "--overwrite_output_dir to replace that run"
             )
-        return OutputPlan(path, clear_earlier=overwrite and bool(earlier), own_checkpoint=own)
+        return path, overwrite and bool(earlier), own
 
-    def prepare(self, accelerator: Accelerator, wait: MainProcessWait, plan: OutputPlan, resumed_step: int) -> None:
+    def prepare(self, accelerator: Accelerator, wait: MainProcessWait, start: Start) -> None:
         """The run's first write, after every check passed: remove what the plan replaces, write
         config.yaml, and set aside the checkpoints of a future a resume abandons."""
         out = self.path
         if accelerator.is_main_process:
-            if plan.clear_earlier:
+            if start.clear_earlier:
                 why = ("--overwrite_output_dir" if self.cfg.run.overwrite_output_dir else
                        "--resume_from_checkpoint auto: an earlier attempt of this run saved no checkpoint")
                 logger.info("removing the earlier run's %s from %s (%s)", ", ".join(self.earlier_outputs()), out, why)
@@ -146,9 +331,9 @@ class RunFolder:
         if accelerator.is_main_process:
             ckpt.write_atomic(out / "config.yaml", self.cfg.to_yaml())
             (out / STOPPED_FILE).unlink(missing_ok=True)  # this run continues what stopped
-            if plan.own_checkpoint and (aside := ckpt.set_aside_later(out, resumed_step)) is not None:
+            if start.own_checkpoint and (aside := ckpt.set_aside_later(out, start.state.step)) is not None:
                 logger.warning("resumed from step %d: the later checkpoints of the abandoned run were moved to %s "
-                               "(not resumed from, not rotated)", resumed_step, aside)
+                               "(not resumed from, not rotated)", start.state.step, aside)
         for partial in ckpt.partial_checkpoints(out):
             logger.warning("ignoring %s: an incomplete checkpoint (no %s marker), left by a save that was "
                            "interrupted", partial, ckpt.MARKER)

@@ -5,6 +5,7 @@ cadence (--logging_steps) is the log's own: the loop calls `maybe(step)` every s
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import os
@@ -21,8 +22,10 @@ from accelerate.logging import get_logger
 from tqdm.auto import tqdm
 
 from mlm_ddp import checkpoint as ckpt
+from mlm_ddp import speed
 from mlm_ddp.config import Config, RunConfig
 from mlm_ddp.errors import BadInput
+from mlm_ddp.heartbeat import PhaseReport, unreported
 from mlm_ddp.step import StepResult
 
 logger = get_logger(__name__)
@@ -154,13 +157,52 @@ class Utilisation:
         return tokens_per_s_per_device * flops / self.peak
 
 
+def utilisation(model_config: Any, seq_len: int, peak_tflops: float | None, accelerator: Accelerator,
+                model: torch.nn.Module) -> Utilisation | None:
+    """What the log's MFU is computed from (None, with a line, when the model's FLOPs are not counted)."""
+    if not speed.flops_known(model_config):
+        logger.info("MFU not logged: %s names its sizes otherwise than %s", type(model_config).__name__,
+                    ", ".join(speed.FLOP_FIELDS))
+        return None
+    peak = speed.peak_flops(peak_tflops, accelerator)
+    logger.info("MFU against %.3f TFLOP/s per device (%s)", peak / 1e12,
+                "--peak_tflops" if peak_tflops else "measured now: a matmul at the training precision")
+    wrapper = accelerator.unwrap_model(model)
+    return Utilisation(functools.partial(speed.training_flops_per_token, model_config, seq_len),
+                       wrapper.masked_only, peak, wrapper.last_layer_subset)
+
+
+def describe_start(cfg: Config, topo: Any, precision: tuple[str, str], accelerator: Accelerator, data: str,
+                   model: torch.nn.Module, n_params: int) -> None:
+    """The start-up lines: topology (distributed.Topology), data, model."""
+    training, world = cfg.training, accelerator.num_processes
+    accumulation = training.gradient_accumulation_steps
+    logger.info("topology: %d process(es) on %d node(s), %s, started by %s (master %s:%s); global batch "
+                "%d = %d per device x %d processes x %d accumulation; precision %s (%s); device %s (%d threads)",
+                world, topo.num_nodes, accelerator.distributed_type, topo.launcher, topo.master_addr or "-",
+                topo.master_port or "-", training.per_device_train_batch_size * world * accumulation,
+                training.per_device_train_batch_size, world, accumulation,
+                *precision, accelerator.device,
+                torch.get_num_threads())
+    logger.info("data: %s", data)
+    wrapper = accelerator.unwrap_model(model)
+    logger.info("model: %s, %.1fM parameters; MLM head on %s positions; last layer on %s positions; attention "
+                "%s; dropout %s; AdamW %s; torch.compile %s",
+                type(wrapper.model).__name__, n_params / 1e6, "masked" if wrapper.masked_only else "all",
+                "masked" if wrapper.last_layer_subset else "all", wrapper.model.config._attn_implementation,
+                "16-bit draws" if wrapper.draws16 else "torch's", training.optimizer_impl,
+                "on" if training.torch_compile else "off")
+
+
 class RunLog:
     """metrics.jsonl (main process), the trackers and the progress bar of one run. Every rank
     calls every method at the same point: `maybe`, `write` and `tokens_total` hold collectives."""
 
     def __init__(self, cfg: Config, accelerator: Accelerator, trackers: list[str], start_step: int,
-                 total_steps: int, resumed: bool, tokens_before: int, usage: Utilisation | None = None) -> None:
+                 total_steps: int, resumed: bool, tokens_before: int, usage: Utilisation | None = None,
+                 beat: PhaseReport = unreported) -> None:
         self.accelerator, self.trackers, self.every = accelerator, trackers, cfg.run.logging_steps
+        self.beat = beat
         self.total_steps, self.tokens_before = total_steps, tokens_before
         out = Path(cfg.run.output_dir)
         self.path, self.enabled = out / METRICS_FILE, accelerator.is_main_process
@@ -214,6 +256,7 @@ class RunLog:
     def maybe(self, step: int, epoch: float, lr: float) -> dict[str, Any]:
         """Called after every optimizer step: on a logging step (and the last) the training record
         since the previous one (a collective), else {}."""
+        self.beat(step, "log")
         self.progress.update(1)
         if step % self.every and step != self.total_steps:
             return {}

@@ -8,17 +8,22 @@ micro-batch with more masked tokens then weighs more, exactly as one big batch w
 
 from __future__ import annotations
 
-import collections
 import math
-import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from accelerate import Accelerator
+from accelerate.logging import get_logger
 
+from mlm_ddp.checkpoint import StopSignals
+from mlm_ddp.errors import NonFiniteLoss
 from mlm_ddp.masking import IGNORE_INDEX
 from mlm_ddp.model import check_loss_sum
+from mlm_ddp.spikes import LossSpikeGuard, LossSpikes, Spike
+
+logger = get_logger(__name__)
 
 Batch = dict[str, torch.Tensor]
 
@@ -39,36 +44,6 @@ class StepResult:
     # fp16: the gradient scaler skipped the update for an overflow of the scaled gradients while every
     # rank's loss was finite (routine while the scaler finds its scale; not --on_nonfinite_loss's business)
     overflow: bool = False
-
-
-@dataclass(frozen=True)
-class Spike:
-    loss: float  # the step's loss, all ranks
-    median: float  # the running median it was judged against
-    steps: int  # losses in that median
-
-
-class LossSpikeGuard:
-    """--on_loss_spike: a step whose loss (all ranks, all micro-batches) is above `factor` x the
-    median of the last `window` accepted steps' losses is a spike, judged once `MIN_HISTORY` of them
-    are known. The median, not the mean: one earlier spike or a noisy step does not move it."""
-
-    MIN_HISTORY = 10
-
-    def __init__(self, factor: float, window: int) -> None:
-        self.factor, self.history = factor, collections.deque(maxlen=window)
-
-    def judge(self, loss: float) -> Spike | None:
-        """The spike `loss` is, or None (then it joins the history). A NaN or inf loss is not judged:
-        --on_nonfinite_loss decides about it."""
-        if not math.isfinite(loss):
-            return None
-        if len(self.history) >= self.MIN_HISTORY:
-            median = statistics.median(self.history)
-            if loss > self.factor * median:
-                return Spike(loss, median, len(self.history))
-        self.history.append(loss)
-        return None
 
 
 def masked_tokens(window: list[Batch]) -> torch.Tensor:
@@ -113,13 +88,16 @@ def train_step(accelerator: Accelerator, model: torch.nn.Module, optimizer: torc
 
     `masked_total`: the masked tokens of the whole step, all ranks. Gradients that are not finite skip
     the optimizer step (`stepped` False); under fp16 the gradient scaler makes that decision itself.
-    `phase("optimizer")` is called when the backward passes are done (the heartbeat). With a `guard`,
+    `phase` names the heartbeat's phase: "forward/backward" first, "optimizer" when the backward passes
+    are done. With a `guard`,
     the step's loss over every rank (one more all-reduce, and a host sync) is judged first: a spike
     skips the update, on every rank alike.
     """
     # DDP averages the gradients over ranks and accumulate() divides each micro-batch's by the
     # accumulation steps: undo both, so that the step's gradient is that of loss sum / masked_total
     scale = accelerator.num_processes * accelerator.gradient_accumulation_steps / masked_total.clamp(min=1)
+    if phase is not None:
+        phase("forward/backward")
     sums = forward_backward(accelerator, model, window, scale, loss_factors)
     if phase is not None:
         phase("optimizer")
@@ -160,3 +138,54 @@ def train_step(accelerator: Accelerator, model: torch.nn.Module, optimizer: torc
     optimizer.zero_grad(set_to_none=True)
     loss_sum, masked, tokens = sums.unbind()
     return StepResult(loss_sum, masked, tokens, norm, stepped, overflow=overflow)
+
+
+def agree_on_step(accelerator: Accelerator, window: list[dict[str, torch.Tensor]], stop: StopSignals,
+                  unread: torch.Tensor | None = None) -> tuple[torch.Tensor, list[str], bool]:
+    """One all-reduce per step, and its result read once (the step's one host sync on a GPU): the masked
+    tokens of the whole optimizer step (all ranks and micro-batches; the loss is normalised by them), the
+    stop signals any rank received (a vote per signal, so that every rank knows which, whichever rank it
+    reached first), and whether the previous step's update was skipped, where that is still `unread` on
+    the device (a bool tensor: the step's `stepped`)."""
+    votes = torch.tensor(stop.votes(), dtype=torch.float64, device=accelerator.device)
+    skipped = torch.zeros(1, dtype=torch.float64, device=accelerator.device) if unread is None else \
+        (~unread).double().reshape(1)
+    local = torch.cat([masked_tokens(window).reshape(1), votes, skipped])
+    summed = accelerator.reduce(local, reduction="sum")
+    values = summed.tolist()
+    return summed[0], stop.agreed(values[1:-1]), values[-1] > 0
+
+
+class SkippedSteps:
+    """Steps whose update was skipped, and what follows: an fp16 overflow (counted), a loss spike
+    (`LossSpikes` answers), or non-finite gradients, which --on_nonfinite_loss counts ('skip') or stops
+    at (every rank alike: the norm is the same). `latest` names the newest checkpoint."""
+
+    def __init__(self, on_nonfinite: str, accelerator: Accelerator, spikes: LossSpikes,
+                 latest: Callable[[], Path | None]) -> None:
+        self.on_nonfinite, self.accelerator, self.spikes, self.latest = on_nonfinite, accelerator, spikes, latest
+        self.nonfinite = self.overflows = 0
+
+    def __call__(self, step: int, result: StepResult) -> None:
+        if result.overflow:
+            self.overflows += 1
+            logger.info("step %d: the fp16 gradients overflowed; the gradient scaler skipped the update and "
+                        "lowered its scale to %g (%d so far)", step + 1, self.accelerator.scaler.get_scale(),
+                        self.overflows)
+        elif result.spike is not None:
+            self.spikes.skipped(step, result.spike)
+        elif self.on_nonfinite == "skip":
+            self.nonfinite += 1
+            logger.warning("step %d: gradient norm %s, optimizer step skipped (%d so far)",
+                           step + 1, result.grad_norm.item(), self.nonfinite)
+        else:
+            latest = self.latest()
+            raise NonFiniteLoss(
+                f"step {step + 1}: the gradient norm is {result.grad_norm.item()} (loss or gradients NaN/inf); "
+                + (f"the last good checkpoint is {latest}" if latest else "no checkpoint was saved")
+                + ". Lower --learning_rate, check the data, or pass --on_nonfinite_loss skip")
+
+    def summary(self) -> None:
+        if self.nonfinite:
+            logger.warning("%d optimizer step(s) skipped for non-finite gradients", self.nonfinite)
+        self.spikes.summary()

@@ -14,7 +14,7 @@ from mlm_ddp import checkpoint as ckpt
 from mlm_ddp.config import RunConfig
 from mlm_ddp.distributed import MainProcessWait
 from mlm_ddp.errors import BadInput
-from mlm_ddp.train import agree_on_resume
+from mlm_ddp.run_folder import agree_on_resume
 
 
 def view(root: Path, rank: int) -> Path:

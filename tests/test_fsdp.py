@@ -18,6 +18,7 @@ import torch
 import yaml
 
 from mlm_ddp import checkpoint as ckpt
+from mlm_ddp import run_folder
 from mlm_ddp.config import parse_args
 from mlm_ddp.errors import EXIT_REQUEUE, BadInput
 from mlm_ddp.train import main
@@ -134,21 +135,21 @@ def test_sharded_checkpoints_are_complete_rotated_and_refused_where_they_cannot_
     assert mine == ["optimizer_0/__1_0.distcp", "pytorch_model_fsdp_0/__1_0.distcp", "random_states_1.pkl"]
     assert not (newest / "model.safetensors").exists()
     saved = yaml.safe_load((newest / "config.yaml").read_text())
-    state, _ = ckpt.check_resume(newest, saved, world_size=2, sharded=True)
+    state, _ = run_folder.check_resume(newest, saved, world_size=2, sharded=True)
     assert state.step == STEPS and state.world_size == 2
     with pytest.raises(BadInput, match="written by 2 process"):
-        ckpt.check_resume(newest, saved, world_size=4, sharded=True)
+        run_folder.check_resume(newest, saved, world_size=4, sharded=True)
     with pytest.raises(BadInput, match="written by an FSDP run .* does not shard the model"):
-        ckpt.check_resume(newest, saved, world_size=2, sharded=False)
+        run_folder.check_resume(newest, saved, world_size=2, sharded=False)
     damaged = shutil.copytree(newest, tmp_path / "damaged")
     (damaged / "optimizer_0" / "__1_0.distcp").unlink()
     with pytest.raises(BadInput, match=r"missing optimizer_0/__1_0.distcp"):
-        ckpt.check_resume(damaged, saved, world_size=2, sharded=True)
+        run_folder.check_resume(damaged, saved, world_size=2, sharded=True)
     # torch unpickles DCP metadata without restriction: a pickle that would run code is refused first
     hostile = shutil.copytree(newest, tmp_path / "hostile")
     (hostile / "pytorch_model_fsdp_0" / ".metadata").write_bytes(pickle.dumps(os.system))
     with pytest.raises(BadInput, match="posix.system is not part of checkpoint metadata"):
-        ckpt.check_resume(hostile, saved, world_size=2, sharded=True)
+        run_folder.check_resume(hostile, saved, world_size=2, sharded=True)
 
 
 def test_a_stop_signal_saves_a_sharded_checkpoint_and_latest_resumes_the_straight_curve(
@@ -328,11 +329,11 @@ def test_kill_9_during_a_sharded_save_leaves_nothing_latest_would_pick(tiny_mode
     assert sorted(workers) == [0, 1]
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [".tmp-step-0000004", "step-0000002"]
     assert (out / "checkpoints" / ".tmp-step-0000004" / "pytorch_model_fsdp_0" / "__1_0.distcp").exists()
-    assert ckpt.resolve_resume("latest", out).name == "step-0000002"
+    assert run_folder.resolve_resume("latest", out).name == "step-0000002"
     assert ckpt.partial_checkpoints(out)[0].name == ".tmp-step-0000004"
     cfg = parse_args(tiny_args(tiny_model, corpus, out, *COMMON, "--max_train_steps", "8",
                                "--checkpointing_steps", "2"))
-    state, _ = ckpt.check_resume(out / "checkpoints" / "step-0000002", cfg.to_dict(), world_size=2, sharded=True)
+    state, _ = run_folder.check_resume(out / "checkpoints" / "step-0000002", cfg.to_dict(), world_size=2, sharded=True)
     assert state.step == 2
 
 
