@@ -41,7 +41,7 @@ class ModelConfig:
     )
     config_name: str | None = _doc(
         "Model config folder or Hub name, if not the model's own. Without --model_name_or_path: "
-        "pretrain a fresh model of this config from scratch (README 'Pretraining from scratch').",
+        "pretrain a fresh model of this config from scratch (docs/data.md 'Pretraining from scratch').",
         default=None,
     )
     model_type: str | None = _doc(
@@ -85,14 +85,14 @@ class ModelConfig:
     )
     mlm_head: Literal["masked", "all"] = _doc(
         "Where the MLM head (transform + decoder over the vocabulary) runs: on the 'masked' positions "
-        "only, gathered first (the same loss; README 'Performance' has the measured speed-up), or on "
+        "only, gathered first (the same loss; docs/performance.md has the measured speed-up), or on "
         "'all' positions as transformers' *ForMaskedLM does.",
         default="masked",
     )
     last_layer_subset: bool = _doc(
         "With --mlm_head masked: run the last encoder layer's queries, attention output and feed-forward "
         "on the masked positions only (keys and values on all), as NVIDIA's and MosaicBERT's BERT "
-        "trainers do: the same loss and gradients for less compute (README 'Performance'). Models "
+        "trainers do: the same loss and gradients for less compute (docs/performance.md). Models "
         "without a BERT-style last layer, --gradient_checkpointing and --torch_compile run the full "
         "layer, with one log line.",
         default=True,
@@ -238,7 +238,7 @@ class TrainingConfig:
 
     per_device_train_batch_size: int = _doc("Packed blocks per micro-batch on each process.", default=8)
     per_device_eval_batch_size: int = _doc("Packed blocks per evaluation batch on each process.", default=32)
-    learning_rate: float = _doc("Peak AdamW learning rate (measured: README 'The default job').", default=2e-4)
+    learning_rate: float = _doc("Peak AdamW learning rate (measured: docs/performance.md 'The default job').", default=2e-4)
     head_learning_rate: float | None = _doc(
         "Peak learning rate of the MLM head (its transform and output bias; the decoder is tied to the word "
         "embeddings). Default: 10 x --learning_rate when the checkpoint has no trained head (it is "
@@ -274,7 +274,7 @@ class TrainingConfig:
     )
     torch_compile: bool = _doc(
         "torch.compile the encoder (in place: checkpoints keep their keys). Costs a compilation at the "
-        "first step; README 'Performance' has its measured effect.",
+        "first step; docs/performance.md has its measured effect.",
         default=False,
     )
     seed: int = _doc("Seed of the data order, the masks and the model's random initialisation.", default=42)

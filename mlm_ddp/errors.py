@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 
-# Exit codes of `python -m mlm_ddp.train` and of each Submitit task (README "Exit codes").
+# Exit codes of `python -m mlm_ddp.train` and of each Submitit task (docs/checkpoints.md "Exit codes").
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_NONFINITE = 0, 1, 2, 3
 EXIT_REQUEUE = 75  # sysexits' EX_TEMPFAIL: "try again later", the one code a scheduler should requeue on
 

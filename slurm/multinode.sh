@@ -148,7 +148,7 @@ trap on_warning USR1
 trap on_cancel TERM
 
 # Each gloo group costs every process (processes + 3) file descriptors: at 64 nodes x 8, two groups
-# pass the common soft limit of 1024 (README "At scale"). srun passes this limit on to the tasks.
+# pass the common soft limit of 1024 (docs/scale.md). srun passes this limit on to the tasks.
 ulimit -n "$(ulimit -Hn)" 2>/dev/null || true
 
 # One task per node runs accelerate launch (exec: the task is the launcher) with the node's CPUs;

@@ -3,7 +3,7 @@ operations that would sync on a CUDA device. A torch dispatch mode sees every at
 loop (`train.fit`, forward and backward included): scalar reads (`.item()`, `int()`, `bool()`:
 aten._local_scalar_dense, is_nonzero), data-dependent shapes (nonzero, masked_select, indexing or
 index_put with a boolean mask); `.tolist()`, which a dispatch mode does not see on a CPU, is counted by
-wrapping it. The collator's work (masking.py, positions.py, data.py) is left out: on a GPU run it runs on
+wrapping it. The collator's work (masking.py, positions.py, the data package) is left out: on a GPU run it runs on
 the host, before the batch is copied to the device. The heartbeat says which step each count belongs to.
 
 Issue 30's budget: one sync per optimizer step on the steps that neither log, evaluate nor save (the
@@ -30,13 +30,13 @@ BOOLEAN_INDEXED = ("aten.index.Tensor", "aten.index_put.default", "aten.index_pu
 SYNC_BUDGET = 1
 
 
-HOST_SIDE = ("masking.py", "positions.py", "data.py")  # the collator and the loaders: host tensors
+HOST_SIDE = ("masking.py", "positions.py", "data/")  # the collator and the loaders: host tensors
 
 
 def place() -> str:
-    """The innermost mlm_ddp line on the stack."""
+    """The innermost mlm_ddp line on the stack, as its path under mlm_ddp/ (data/epochs.py:12)."""
     frames = [f for f in traceback.extract_stack() if "/mlm_ddp/" in f.filename]
-    return f"{Path(frames[-1].filename).name}:{frames[-1].lineno}" if frames else "?"
+    return f"{frames[-1].filename.rsplit('/mlm_ddp/', 1)[1]}:{frames[-1].lineno}" if frames else "?"
 
 
 class CountSyncs(TorchDispatchMode):

@@ -4,7 +4,7 @@ on one GPU:
     python -m pytest tests/gpu -v -s -rs
 
 Where CUDA is missing every test is skipped with one line saying so (the CPU suite collects it too).
-Each test prints the figures it measured (`-s`), for README and the closing note.
+Each test prints the figures it measured (`-s`), for docs/performance.md and the closing note.
 """
 
 from __future__ import annotations
@@ -185,7 +185,7 @@ def test_bench_on_the_gpu_reports_both_recipes() -> None:
 
 
 WRAPPER = '''"""Runs run_mlm_no_trainer.py unmodified on transformers 5 / accelerate 1.x, which removed two names
-it imports (README "Performance"): they are put back, then the file runs as __main__."""
+it imports (docs/performance.md): they are put back, then the file runs as __main__."""
 import runpy
 import sys
 
@@ -203,7 +203,7 @@ runpy.run_path(script, run_name="__main__")
 
 
 def test_side_by_side_against_run_mlm_no_trainer_in_bf16(tmp_path: Path) -> None:
-    """README "Performance"'s method on this GPU, in bf16: each tool trains MiniLM-L6 (a fresh head) for 10
+    """docs/performance.md's method on this GPU, in bf16: each tool trains MiniLM-L6 (a fresh head) for 10
     and for 70 steps at the script's settings; tokens/s = 60 x 4,096 / (wall(70) - wall(10)), so start-up,
     tokenization, evaluation and saving cancel. mlm_ddp must be the faster."""
     import subprocess
