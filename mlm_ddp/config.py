@@ -142,6 +142,11 @@ class DataConfig:
         "Held-out text, same formats as --train_file. Without it, a split of the training data is held out.",
         default=None,
     )
+    prepared_data: str | None = _doc(
+        "A folder written by `python -m mlm_ddp.prepare`: its blocks are memory-mapped, nothing is tokenized "
+        "(instead of --train_file/--dataset_name; its held-out blocks are the evaluation set).",
+        default=None,
+    )
     text_column: str = _doc("Column holding the text (a .txt file's lines are 'text').", default="text")
     validation_split_percentage: float = _doc(
         "Percent of training texts held out for evaluation when there is no validation set "
@@ -209,6 +214,11 @@ class DataConfig:
             )
         if self.dataset_name is not None and self.train_file is not None:
             raise BadInput("give either --dataset_name or --train_file, not both")
+        if self.prepared_data is not None:
+            given = [f"--{name}" for name in ("dataset_name", "train_file", "validation_file", "streaming")
+                     if getattr(self, name)]
+            if given:
+                raise BadInput(f"--prepared_data is the whole data set, already tokenized: drop {', '.join(given)}")
         for name in ("max_train_samples", "max_eval_samples", "preprocessing_num_workers"):
             value = getattr(self, name)
             if value is not None and value < 1:
@@ -238,7 +248,8 @@ class TrainingConfig:
 
     per_device_train_batch_size: int = _doc("Packed blocks per micro-batch on each process.", default=8)
     per_device_eval_batch_size: int = _doc("Packed blocks per evaluation batch on each process.", default=32)
-    learning_rate: float = _doc("Peak AdamW learning rate (measured: docs/performance.md 'The default job').", default=2e-4)
+    learning_rate: float = _doc("Peak AdamW learning rate (measured: docs/performance.md 'The default job').",
+                                default=2e-4)
     head_learning_rate: float | None = _doc(
         "Peak learning rate of the MLM head (its transform and output bias; the decoder is tied to the word "
         "embeddings). Default: 10 x --learning_rate when the checkpoint has no trained head (it is "

@@ -97,6 +97,17 @@ class Topology:
         return "\n".join(lines + [f"because       {r}" for r in self.reasons])
 
 
+def array_task(env: Mapping[str, str] | None = None) -> tuple[int, int]:
+    """(this task's index from 0, the number of tasks) of a Slurm array job (`sbatch --array`), whatever
+    its numbering (--array=1-8:2 gives 0..3 of 4); (0, 1) outside one."""
+    env = os.environ if env is None else env
+    if "SLURM_ARRAY_TASK_ID" not in env:
+        return 0, 1
+    step = _int(env, "SLURM_ARRAY_TASK_STEP", 1) or 1
+    first = _int(env, "SLURM_ARRAY_TASK_MIN", 0)
+    return (_int(env, "SLURM_ARRAY_TASK_ID") - first) // step, _int(env, "SLURM_ARRAY_TASK_COUNT", 1)
+
+
 def detect(env: Mapping[str, str] | None = None, cuda_devices: int | None = None) -> Topology:
     """The topology of this process. Pure in (env, cuda_devices) apart from `scontrol` for a Slurm
     master address that nobody exported."""

@@ -111,7 +111,10 @@ def preflight(cfg: Config) -> Checked:
     start = folder.plan(topo.world_size, sharded=fsdp_plugin is not None,
                         stream_bytes=functools.partial(stream_bytes, cfg))
     trackers, hub_repo = check_trackers(cfg.run), check_hub(cfg.run, uploads=topo.rank == 0)
-    raw_train, raw_eval = mdata.load_text(cfg.data, cfg.training.seed)
+    if cfg.data.prepared_data is not None:  # blocks, memory-mapped; refused here if another tokenizer made them
+        raw_train, raw_eval, _ = mdata.load_prepared(cfg.data, tokenizer)
+    else:
+        raw_train, raw_eval = mdata.load_text(cfg.data, cfg.training.seed)
     return Checked(tokenizer, model_config, topo, fsdp_plugin, precision, folder, start, trackers, hub_repo,
                    raw_train, raw_eval)
 

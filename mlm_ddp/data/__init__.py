@@ -2,7 +2,8 @@
 
 One module per step of the pipeline:
 
-- `text`: load the raw texts (local files, `datasets` names, the embedded corpus);
+- `text`: load the raw texts (local files, `datasets` names, the embedded corpus), or `prepared`:
+  memory-map a corpus that `python -m mlm_ddp.prepare` tokenized and packed once;
 - `pack`: tokenize them and pack them into blocks;
 - `epochs` (map-style data) and `stream` (streams): share the blocks out over the ranks;
 - `feed`: hand each optimizer step its window of micro-batches, all ranks ending each epoch together;
@@ -16,6 +17,7 @@ by `epochs`' sampler, streams by `stream`'s split of the raw texts.
 # in pipeline order: load, pack, shard, feed, one rank's assembly
 # isort: off
 from mlm_ddp.data.text import AnyDataset, embedded_corpus, load_text
+from mlm_ddp.data.prepared import load_prepared
 from mlm_ddp.data.pack import tokenize_and_pack
 from mlm_ddp.data.stream import check_stream_resume, shard_sizes
 from mlm_ddp.data.feed import FeedPosition, TrainFeed
@@ -28,6 +30,7 @@ __all__ = [
     "AnyDataset",
     "embedded_corpus",
     "load_text",
+    "load_prepared",
     "tokenize_and_pack",
     "check_stream_resume",
     "shard_sizes",

@@ -17,6 +17,8 @@ from datasets import Dataset, IterableDataset
 from mlm_ddp.config import DataConfig
 from mlm_ddp.data.text import AnyDataset, first_columns
 
+TOKENIZE_BATCH = 1000  # texts packed together: the remainder of each such batch is one shorter block
+
 
 def tokenize_and_pack(
     texts: list[Any], tokenizer: Any, block_size: int, with_word_continues: bool = False, line_by_line: bool = False
@@ -75,7 +77,7 @@ def tokenize_dataset(raw: AnyDataset, tokenizer: Any, cfg: DataConfig) -> AnyDat
     columns = raw.column_names if raw.column_names is not None else first_columns(raw, "stream")
     kwargs: dict[str, Any] = dict(
         batched=True,
-        batch_size=1000,
+        batch_size=TOKENIZE_BATCH,
         remove_columns=columns,
         input_columns=[cfg.text_column],
         fn_kwargs={

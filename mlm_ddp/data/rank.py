@@ -39,6 +39,8 @@ def rank_dataset(raw: AnyDataset, tokenizer: Any, cfg: DataConfig, rank: int, wo
                                 part_bytes=None if split.part_bytes is None else split.part_bytes[rank])
         return tokenize_dataset(part, tokenizer, cfg)
     limit = cfg.max_train_samples if shuffle_seed is not None else cfg.max_eval_samples
+    if cfg.prepared_data is not None:  # blocks already, memory-mapped (data.prepared)
+        return _first_sequences(raw, limit)
     return _first_sequences(tokenize_dataset(raw, tokenizer, cfg), limit)
 
 

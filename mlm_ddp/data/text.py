@@ -44,7 +44,7 @@ def _builder_for(path_str: str, flag: str) -> str:
     return SUFFIX_BUILDERS[suffix]
 
 
-def _check_columns(columns: list[str] | None, text_column: str, source: str) -> None:
+def check_columns(columns: list[str] | None, text_column: str, source: str) -> None:
     if columns is not None and text_column not in columns:
         raise BadInput(
             f"{source}: no text column {text_column!r}; columns found: {', '.join(columns)}. "
@@ -66,6 +66,9 @@ def load_text(cfg: DataConfig, seed: int) -> tuple[AnyDataset, AnyDataset | None
 
     eval is None only when there is no validation set and validation_split_percentage is 0.
     """
+    if cfg.prepared_data is not None:
+        raise BadInput(f"--prepared_data {cfg.prepared_data} holds token ids, not text; give the text it was "
+                       "prepared from (--train_file)")
     if cfg.train_file is None and cfg.dataset_name is None:
         texts = [t for t in embedded_corpus() if t]
         raw: Any = Dataset.from_dict({cfg.text_column: texts})
@@ -101,9 +104,9 @@ def load_text(cfg: DataConfig, seed: int) -> tuple[AnyDataset, AnyDataset | None
         else:
             where = cfg.validation_file or f"{source} (validation)"
         if isinstance(ds, IterableDataset):
-            _check_columns(first_columns(ds, where), cfg.text_column, where)
+            check_columns(first_columns(ds, where), cfg.text_column, where)
         else:
-            _check_columns(ds.column_names, cfg.text_column, where)
+            check_columns(ds.column_names, cfg.text_column, where)
             if len(ds) == 0:
                 raise BadInput(f"{where}: holds no texts")
 
