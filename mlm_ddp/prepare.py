@@ -144,7 +144,7 @@ def make_plan(data: DataConfig, tokenizer: Any, seed: int, tasks: int) -> dict[s
         "format_version": fmt.FORMAT_VERSION,
         "inputs": files,
         "tasks": tasks,
-        "assignment": balance_shards([f["bytes"] for f in files], tasks),
+        "assignment": balance_shards([f["bytes"] for f in files], tasks, equal_counts=False),
         "settings": {
             "tokenizer": {"name": str(getattr(tokenizer, "name_or_path", "")),
                           "fingerprint": fmt.tokenizer_fingerprint(tokenizer), "vocab_size": len(tokenizer)},

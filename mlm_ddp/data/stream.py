@@ -51,17 +51,18 @@ def naive_shards(num_shards: int, world_size: int) -> list[list[int]]:
     return [list(range(rank, num_shards, world_size)) for rank in range(world_size)]
 
 
-def balance_shards(sizes: list[int], world_size: int) -> list[list[int]]:
-    """Pure: shard indices per rank, each rank `len(sizes) // world_size` of them, totals close.
+def balance_shards(sizes: list[int], world_size: int, equal_counts: bool = True) -> list[list[int]]:
+    """Pure: shard indices per rank, totals close; each rank `len(sizes) // world_size` of them with
+    `equal_counts` (then `len(sizes) % world_size == 0` is needed), else any number.
 
     Greedy, largest first: each shard goes to the rank with the smallest total that still has room.
-    Ranks keep equal shard counts so DataLoader workers share them as before. A heuristic can lose to
-    a lucky file order, so the naive deal (`naive_shards`) is kept when its largest total is no
-    larger: the result is never worse than it. Needs `len(sizes) % world_size == 0`.
+    Ranks of a stream keep equal shard counts so DataLoader workers share them as before (mlm_ddp.prepare's
+    tasks need not). A heuristic can lose to a lucky file order, so the naive deal (`naive_shards`) is
+    kept when its largest total is no larger: the result is never worse than it.
     """
-    if len(sizes) % world_size:
+    if equal_counts and len(sizes) % world_size:
         raise ValueError(f"{len(sizes)} shards do not divide over {world_size} ranks")
-    room = len(sizes) // world_size
+    room = len(sizes) // world_size if equal_counts else len(sizes)
     parts: list[list[int]] = [[] for _ in range(world_size)]
     totals = [0] * world_size
     for index in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
