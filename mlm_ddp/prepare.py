@@ -19,6 +19,7 @@ import glob
 import json
 import multiprocessing
 import os
+import resource
 import shutil
 import socket
 import sys
@@ -155,6 +156,20 @@ def make_plan(data: DataConfig, tokenizer: Any, seed: int, tasks: int) -> dict[s
     }
 
 
+def publish(path: Path, text: str) -> None:
+    """Write `path` whole or not at all, where several tasks may write the same file at once (each
+    through its own temporary file: write_atomic's one name would be replaced under another task)."""
+    tmp = path.with_name(f".tmp-{path.name}.{socket.gethostname()}.{os.getpid()}")
+    with open(tmp, "w") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+
+
+OWN_NAMES = (fmt.PLAN, fmt.MANIFEST, fmt.PARTS, "submitit")  # what a prepare writes at the folder's top
+
+
 def fix_plan(folder: Path, plan: dict[str, Any], overwrite: bool) -> None:
     """Write the plan, or check that the folder's is this one: a relaunch must not mix parts of two plans."""
     path = folder / fmt.PLAN
@@ -170,11 +185,11 @@ def fix_plan(folder: Path, plan: dict[str, Any], overwrite: bool) -> None:
         raise BadInput(f"--output_dir {folder} holds a prepare of other {' and '.join(changed)}; run the same "
                        "command as before to finish it, choose another --output_dir, or pass "
                        "--overwrite_output_dir to start over")
-    elif folder.is_dir() and any(folder.iterdir()):
+    elif folder.is_dir() and any(p.name not in OWN_NAMES and not p.name.startswith(".tmp-") for p in folder.iterdir()):
         raise BadInput(f"--output_dir {folder} is not empty and holds no prepare ({fmt.PLAN}); choose another "
                        "folder")
     folder.mkdir(parents=True, exist_ok=True)
-    write_atomic(path, json.dumps(plan, indent=1))
+    publish(path, json.dumps(plan, indent=1))  # the other tasks of the same command write the same plan
 
 
 # ---------------------------------------------------------------------------------------------
@@ -330,8 +345,11 @@ def run_task(folder: Path, plan: dict[str, Any], task: int, packer: Packer, work
         shutil.rmtree(tmp, ignore_errors=True)
     took = time.perf_counter() - started
     tokens = sum(r[s]["tokens"] for r in records for s in fmt.SPLITS)
+    rss = [resource.getrusage(who).ru_maxrss / 1024 for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
     say(f"{PROG}: task {task} of {tasks}: {len(files)} file(s), {sum(r['texts'] for r in records)} texts, "
-        f"{tokens} tokens in {took:.1f} s ({tokens / max(took, 1e-9):,.0f} tokens/s on {workers} worker(s))")
+        f"{tokens} tokens in {took:.1f} s ({tokens / max(took, 1e-9):,.0f} tokens/s on {workers} worker(s)); "
+        f"peak memory {rss[0]:.0f} MB in this process" + (f", {rss[1]:.0f} MB in the largest worker" if workers > 1
+                                                           else ""))
     return True
 
 
@@ -372,7 +390,7 @@ def finalize(folder: Path, plan: dict[str, Any]) -> dict[str, Any] | None:
                 "packing": settings["packing"], "word_continues": settings["word_continues"],
                 "held_out_percent": settings["held_out_percent"], "seed": settings["seed"], "counts": totals,
                 "sources": plan["inputs"], "tasks": tasks, "shards": shards}
-    write_atomic(folder / fmt.MANIFEST, json.dumps(manifest, indent=1))
+    publish(folder / fmt.MANIFEST, json.dumps(manifest, indent=1))  # two last tasks write the same one
     for leftover in (folder / fmt.PARTS).glob(".tmp-*"):
         shutil.rmtree(leftover, ignore_errors=True)
     train, held = totals["train"], totals["eval"]
@@ -402,8 +420,11 @@ def prepare(model: ModelConfig, data: DataConfig, opts: PrepareConfig, task: int
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core per worker, the main process's included
     tokenizer = load_tokenizer(model, needs_word_ids=data.whole_word_mask)
     folder = Path(opts.output_dir)
+    if opts.overwrite_output_dir and tasks > 1:
+        raise BadInput("--overwrite_output_dir with several tasks: one task would remove what the others write; "
+                       f"remove {folder} before submitting the array, or use --nodes, which removes it first")
     plan = make_plan(data, tokenizer, opts.seed, tasks)
-    fix_plan(folder, plan, opts.overwrite_output_dir and task == 0)
+    fix_plan(folder, plan, opts.overwrite_output_dir)
     packer = Packer(tokenizer, data.max_seq_length, data.whole_word_mask, data.line_by_line,
                     "uint16" if len(tokenizer) <= 2**16 else "uint32")
     workers = opts.num_workers or len(os.sched_getaffinity(0))
