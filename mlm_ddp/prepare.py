@@ -429,7 +429,13 @@ def prepare(model: ModelConfig, data: DataConfig, opts: PrepareConfig, task: int
                     "uint16" if len(tokenizer) <= 2**16 else "uint32")
     workers = opts.num_workers or len(os.sched_getaffinity(0))
     try:
-        run_task(folder, plan, task, packer, workers)
+        try:
+            run_task(folder, plan, task, packer, workers)
+        except OSError:
+            if not (folder / fmt.PARTS / fmt.task_dir_name(task, tasks) / fmt.MARKER).is_file():
+                raise
+            # another attempt of this task completed it, and a finalize removed this attempt's folder
+            say(f"{PROG}: task {task} of {tasks}: completed by another attempt")
         return finalize(folder, plan)
     except OSError as err:  # a full disk, a quota, a folder that went away
         raise BadInput(f"--output_dir {folder}: could not be written ({err.strerror or err}); free space or fix it "
