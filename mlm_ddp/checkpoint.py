@@ -19,6 +19,7 @@ import pickle
 import re
 import shutil
 import signal
+import socket
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -249,10 +250,12 @@ def written_by_rank(path: Path, rank: int) -> bool:
     return path.name in (f"random_states_{rank}.pkl", data_state_name(rank), f"__{rank}_0.distcp")
 
 
-def write_atomic(path: Path, text: str) -> None:
+def write_atomic(path: Path, text: str, shared: bool = False) -> None:
     """Write `text` to `path` through a temporary file and a rename: a crash leaves the old file or
-    the new one, never a torn one (a torn summary.json would make `auto` think a run finished)."""
-    tmp = path.with_name(f".tmp-{path.name}")
+    the new one, never a torn one (a torn summary.json would make `auto` think a run finished).
+    `shared`: several processes may write the same file at once (the same text), each through a
+    temporary file of its own, which no other can replace under it."""
+    tmp = path.with_name(f".tmp-{path.name}" + (f".{socket.gethostname()}.{os.getpid()}" if shared else ""))
     with open(tmp, "w") as handle:
         handle.write(text)
         handle.flush()

@@ -156,17 +156,6 @@ def make_plan(data: DataConfig, tokenizer: Any, seed: int, tasks: int) -> dict[s
     }
 
 
-def publish(path: Path, text: str) -> None:
-    """Write `path` whole or not at all, where several tasks may write the same file at once (each
-    through its own temporary file: write_atomic's one name would be replaced under another task)."""
-    tmp = path.with_name(f".tmp-{path.name}.{socket.gethostname()}.{os.getpid()}")
-    with open(tmp, "w") as handle:
-        handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
-
-
 OWN_NAMES = (fmt.PLAN, fmt.MANIFEST, fmt.PARTS, "submitit")  # what a prepare writes at the folder's top
 
 
@@ -189,7 +178,7 @@ def fix_plan(folder: Path, plan: dict[str, Any], overwrite: bool) -> None:
         raise BadInput(f"--output_dir {folder} is not empty and holds no prepare ({fmt.PLAN}); choose another "
                        "folder")
     folder.mkdir(parents=True, exist_ok=True)
-    publish(path, json.dumps(plan, indent=1))  # the other tasks of the same command write the same plan
+    write_atomic(path, json.dumps(plan, indent=1), shared=True)  # every task of the command writes the same
 
 
 # ---------------------------------------------------------------------------------------------
@@ -390,7 +379,7 @@ def finalize(folder: Path, plan: dict[str, Any]) -> dict[str, Any] | None:
                 "packing": settings["packing"], "word_continues": settings["word_continues"],
                 "held_out_percent": settings["held_out_percent"], "seed": settings["seed"], "counts": totals,
                 "sources": plan["inputs"], "tasks": tasks, "shards": shards}
-    publish(folder / fmt.MANIFEST, json.dumps(manifest, indent=1))  # two last tasks write the same one
+    write_atomic(folder / fmt.MANIFEST, json.dumps(manifest, indent=1), shared=True)  # maybe by two last tasks
     for leftover in (folder / fmt.PARTS).glob(".tmp-*"):
         shutil.rmtree(leftover, ignore_errors=True)
     train, held = totals["train"], totals["eval"]
