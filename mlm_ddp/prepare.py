@@ -47,6 +47,7 @@ from mlm_ddp.data.text import SUFFIX_BUILDERS, check_columns
 from mlm_ddp.errors import EXIT_BAD_INPUT, BadInput, say
 
 PROG = "mlm_ddp.prepare"
+LONG_TEXT = 1_000_000  # characters of one text above which prepare warns (docs/prepare.md "Measured")
 
 
 @dataclass
@@ -228,6 +229,11 @@ def chunks(file: dict[str, Any], index: int, settings: dict[str, Any]) -> Iterat
         for number, batch in enumerate(stream.iter(batch_size=TOKENIZE_BATCH)):
             check_columns(list(batch), column, path)
             texts = batch[column]
+            for row, text in enumerate(texts):
+                if isinstance(text, str) and len(text) > LONG_TEXT:
+                    say(f"{PROG}: warning: {path}, text {number * TOKENIZE_BATCH + row + 1}: {len(text) / 1e6:.1f}M "
+                        "characters in one text; the tokenizer holds all its tokens at once (measured: 4 GB for "
+                        "27M characters): split such texts into lines")
             if file["role"] == "eval":
                 held = [True] * len(texts)
             else:

@@ -356,3 +356,18 @@ def test_training_refuses_another_tokenizers_folder_and_a_damaged_one(one_worker
     (damaged / fmt.MANIFEST).unlink()
     assert "no manifest.json, so not a finished mlm_ddp.prepare folder (it holds a plan" in refused(
         prepared_args(tiny_model, damaged, out), capsys, out)
+
+
+def test_a_text_long_enough_to_take_gigabytes_is_named_and_still_prepared(tiny_model: Path, tmp_path: Path,
+                                                                           capsys: pytest.CaptureFixture) -> None:
+    source = tmp_path / "long.txt"
+    words = "the tokenizer holds every token of one text at once "
+    long_text = words * (prep.LONG_TEXT // len(words) + 1)
+    source.write_text(f"a short first text of a few words\n{long_text}\nand a short last one\n")
+    assert prep.main(prepare_args(tiny_model, source, tmp_path / "out")) == 0
+    warned = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
+    assert warned == [f"mlm_ddp.prepare: warning: {source}, text 2: {len(long_text) / 1e6:.1f}M characters in one "
+                      "text; the tokenizer holds all its tokens at once (measured: 4 GB for 27M characters): split "
+                      "such texts into lines"]
+    manifest = json.loads((tmp_path / "out" / fmt.MANIFEST).read_text())
+    assert manifest["counts"]["texts"] == 3
