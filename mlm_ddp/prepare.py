@@ -26,6 +26,8 @@ import sys
 import time
 from collections import deque
 from collections.abc import Iterator
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
@@ -248,7 +250,9 @@ def chunks(file: dict[str, Any], index: int, settings: dict[str, Any]) -> Iterat
 
 class Workers:
     """`packer` on `count` processes, made once per task: `map` runs it over items in order, with at
-    most 2 per worker in flight (Pool.imap would read the whole input ahead); one worker runs it here."""
+    most 2 per worker in flight (Pool.imap would read the whole input ahead); one worker runs it here.
+    A worker that dies (killed for memory) fails the task with WorkerDied, where a multiprocessing.Pool
+    would wait for its result forever."""
 
     def __init__(self, packer: Packer, count: int) -> None:
         self.packer, self.count, self.pool = packer, count, None
@@ -256,25 +260,34 @@ class Workers:
     def __enter__(self) -> Workers:
         if self.count > 1:
             context = multiprocessing.get_context("spawn")  # a fork would copy the tokenizer's thread state
-            self.pool = context.Pool(self.count, initializer=_set_packer, initargs=(self.packer,))
+            self.pool = ProcessPoolExecutor(self.count, mp_context=context, initializer=_set_packer,
+                                            initargs=(self.packer,))
         return self
 
     def __exit__(self, *_exc: Any) -> None:
         if self.pool is not None:
-            self.pool.terminate()
-            self.pool.join()
+            self.pool.shutdown(wait=True, cancel_futures=True)
 
     def map(self, items: Iterator[Any]) -> Iterator[Any]:
         if self.pool is None:
             yield from map(self.packer, items)
             return
         pending: deque = deque()
-        for item in items:
-            pending.append(self.pool.apply_async(_pack, (item,)))
-            if len(pending) >= 2 * self.count:
-                yield pending.popleft().get()
-        while pending:
-            yield pending.popleft().get()
+        try:
+            for item in items:
+                pending.append(self.pool.submit(_pack, item))
+                if len(pending) >= 2 * self.count:
+                    yield pending.popleft().result()
+            while pending:
+                yield pending.popleft().result()
+        except BrokenProcessPool as err:
+            raise WorkerDied(f"a tokenizing worker process died ({err}): killed for memory? A warning above names "
+                             "any text long enough; lower --num_workers or split such texts, then run the same "
+                             "command again (complete parts are kept)") from err
+
+
+class WorkerDied(Exception):
+    """A worker process of the task ended without its result."""
 
 
 _PACKER: list[Packer] = []  # the packer of a worker process, set once by the pool's initializer
@@ -499,7 +512,7 @@ def main(argv: list[str] | None = None) -> int:
     except BadInput as err:
         say(f"{PROG}: error: {err}")
         return EXIT_BAD_INPUT
-    except TaskFailed as err:
+    except (TaskFailed, WorkerDied) as err:
         say(f"{PROG}: error: {err}")
         return 1
     return 0 if manifest is not None or opts.nodes is None else 1

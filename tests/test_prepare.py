@@ -371,3 +371,33 @@ def test_a_text_long_enough_to_take_gigabytes_is_named_and_still_prepared(tiny_m
                       "such texts into lines"]
     manifest = json.loads((tmp_path / "out" / fmt.MANIFEST).read_text())
     assert manifest["counts"]["texts"] == 3
+
+
+def test_a_worker_killed_for_memory_fails_the_task_at_once_not_a_hang(tiny_model: Path, tmp_path: Path) -> None:
+    source = tmp_path / "corpus.txt"
+    source.write_text("\n".join(corpus_paragraphs() * 12) + "\n")
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "-m", "mlm_ddp.prepare",
+                             *prepare_args(tiny_model, source, out, "--num_workers", "2")],
+                            cwd=REPO, stderr=subprocess.PIPE, text=True)
+
+    def workers() -> list[int]:  # the pool's processes: children of prepare started by multiprocessing
+        found = []
+        for status in Path("/proc").glob("[0-9]*/status"):
+            with contextlib.suppress(OSError):
+                if f"\nPPid:\t{proc.pid}\n" in status.read_text() and \
+                        b"spawn_main" in (status.parent / "cmdline").read_bytes():
+                    found.append(int(status.parent.name))
+        return found
+
+    deadline = time.monotonic() + 300
+    while not any(p.stat().st_size for p in out.glob(f"{fmt.PARTS}/.tmp-*/*.arrow")) or not workers():
+        assert proc.poll() is None, proc.stderr.read()[-2000:]
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    os.kill(workers()[0], signal.SIGKILL)
+    _, err = proc.communicate(timeout=120)  # a multiprocessing.Pool would wait for the lost chunk forever
+    assert proc.returncode == 1, err[-2000:]
+    lines = [line for line in err.splitlines() if line.startswith("mlm_ddp.prepare: error:")]
+    assert len(lines) == 1 and "a tokenizing worker process died" in lines[0], err[-2000:]
+    assert not list(out.rglob(fmt.MARKER)) and not (out / fmt.MANIFEST).exists()
