@@ -31,6 +31,7 @@ from mlm_ddp.errors import EXIT_BAD_INPUT, BadInput, say
 
 ANCHOR_TOKENS_PER_S = 0.85e6  # one core of HF tokenizers (marin-community/marin#2829)
 FIRST_STEP = "mlm_ddp.bench_prepare: first step after "
+PROCESS_STARTED = time.time()  # this module's import: close to the process's start (python -m imports it first)
 
 
 @dataclass
@@ -122,8 +123,6 @@ def run_first_step(train_argv: list[str]) -> int:
     train(parse_args(train_argv), Hooks(on_beat=at_beat))
     return 1  # trained without a first step: not what was asked
 
-
-PROCESS_STARTED = time.time()  # this module's import: close to the process's start (python -m imports it first)
 
 
 def bench(cfg: BenchPrepareConfig) -> dict:

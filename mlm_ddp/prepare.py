@@ -332,7 +332,7 @@ def run_task(folder: Path, plan: dict[str, Any], task: int, packer: Packer, work
     name = fmt.task_dir_name(task, tasks)
     parts = folder / fmt.PARTS
     final = parts / name
-    if (final / fmt.MARKER).is_file():
+    if fmt.part_complete(folder, task, tasks):
         say(f"{PROG}: task {task} of {tasks}: already complete ({final})")
         return False
     parts.mkdir(parents=True, exist_ok=True)
@@ -370,7 +370,7 @@ def finalize(folder: Path, plan: dict[str, Any]) -> dict[str, Any] | None:
     """Check every part and write the manifest; None (and a line) while some part has no marker."""
     tasks, settings = plan["tasks"], plan["settings"]
     names = [fmt.task_dir_name(t, tasks) for t in range(tasks)]
-    missing = [t for t, name in enumerate(names) if not (folder / fmt.PARTS / name / fmt.MARKER).is_file()]
+    missing = [t for t in range(tasks) if not fmt.part_complete(folder, t, tasks)]
     if missing:
         say(f"{PROG}: {tasks - len(missing)} of {tasks} task(s) complete; task(s) {', '.join(map(str, missing))} "
             "not yet: the manifest is written when every part is (run the same command again for a task that died)")
@@ -421,18 +421,24 @@ def which_task(opts: PrepareConfig) -> tuple[int, int]:
     return task, tasks
 
 
-def prepare(model: ModelConfig, data: DataConfig, opts: PrepareConfig, task: int, tasks: int) -> dict | None:
-    """Plan (or check the plan), run this task, and write the manifest if every part is complete."""
+def planned(model: ModelConfig, data: DataConfig, opts: PrepareConfig, tasks: int) -> tuple[Any, Path, dict]:
+    """(the tokenizer, the folder, its plan): the plan made, and written or checked against the folder's."""
     from mlm_ddp.model import load_tokenizer
 
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core per worker, the main process's included
     tokenizer = load_tokenizer(model, needs_word_ids=data.whole_word_mask)
     folder = Path(opts.output_dir)
-    if opts.overwrite_output_dir and tasks > 1:
-        raise BadInput("--overwrite_output_dir with several tasks: one task would remove what the others write; "
-                       f"remove {folder} before submitting the array, or use --nodes, which removes it first")
     plan = make_plan(data, tokenizer, opts.seed, tasks)
     fix_plan(folder, plan, opts.overwrite_output_dir)
+    return tokenizer, folder, plan
+
+
+def prepare(model: ModelConfig, data: DataConfig, opts: PrepareConfig, task: int, tasks: int) -> dict | None:
+    """Plan (or check the plan), run this task, and write the manifest if every part is complete."""
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core per worker, the main process's included
+    if opts.overwrite_output_dir and tasks > 1:
+        raise BadInput("--overwrite_output_dir with several tasks: one task would remove what the others write; "
+                       f"remove {opts.output_dir} before submitting the array, or use --nodes, which removes it first")
+    tokenizer, folder, plan = planned(model, data, opts, tasks)
     packer = Packer(tokenizer, data.max_seq_length, data.whole_word_mask, data.line_by_line,
                     "uint16" if len(tokenizer) <= 2**16 else "uint32")
     workers = opts.num_workers or len(os.sched_getaffinity(0))
@@ -440,7 +446,7 @@ def prepare(model: ModelConfig, data: DataConfig, opts: PrepareConfig, task: int
         try:
             run_task(folder, plan, task, packer, workers)
         except OSError:
-            if not (folder / fmt.PARTS / fmt.task_dir_name(task, tasks) / fmt.MARKER).is_file():
+            if not fmt.part_complete(folder, task, tasks):
                 raise
             # another attempt of this task completed it, and a finalize removed this attempt's folder
             say(f"{PROG}: task {task} of {tasks}: completed by another attempt")
@@ -464,19 +470,14 @@ def submit(model: ModelConfig, data: DataConfig, opts: PrepareConfig) -> dict | 
     """--nodes N: the plan here, N array tasks through Submitit, wait, then the manifest here."""
     import submitit
 
-    from mlm_ddp.model import load_tokenizer
-
-    folder = Path(opts.output_dir)
-    plan = make_plan(data, load_tokenizer(model, needs_word_ids=data.whole_word_mask), opts.seed, opts.nodes)
-    fix_plan(folder, plan, opts.overwrite_output_dir)
+    _, folder, plan = planned(model, data, opts, opts.nodes)
     executor = submitit.AutoExecutor(folder=folder / "submitit" / "%j", cluster=opts.cluster)
     params: dict[str, Any] = dict(name="mlm_ddp.prepare", nodes=1, tasks_per_node=1, timeout_min=opts.timeout_min)
     params.update({k: v for k, v in (("cpus_per_task", opts.cpus_per_task), ("mem_gb", opts.mem_gb)) if v})
     if opts.cluster == "slurm":
         params.update({f"slurm_{k}": v for k, v in (("partition", opts.partition), ("account", opts.account)) if v})
     executor.update_parameters(**params)
-    todo = [t for t in range(opts.nodes)
-            if not (folder / fmt.PARTS / fmt.task_dir_name(t, opts.nodes) / fmt.MARKER).is_file()]
+    todo = [t for t in range(opts.nodes) if not fmt.part_complete(folder, t, opts.nodes)]
     jobs = executor.map_array(PrepareTask(model, data, replace(opts, overwrite_output_dir=False)), todo)
     say(f"{PROG}: submitted {len(jobs)} array task(s) of {opts.nodes}: job {jobs[0].job_id.split('_')[0]}, logs in "
         f"{folder / 'submitit'}" if jobs else f"{PROG}: every task is complete")

@@ -52,6 +52,15 @@ def task_dir_name(task: int, tasks: int) -> str:
     return f"task-{task:05d}-of-{tasks:05d}"
 
 
+def part_dir(folder: Path, task: int, tasks: int) -> Path:
+    return folder / PARTS / task_dir_name(task, tasks)
+
+
+def part_complete(folder: Path, task: int, tasks: int) -> bool:
+    """Task `task`'s part is in place with its marker: the only kind of part that is ever read."""
+    return (part_dir(folder, task, tasks) / MARKER).is_file()
+
+
 def shard_name(split: str, file_index: int) -> str:
     return f"{split}-f{file_index:05d}.arrow"
 
