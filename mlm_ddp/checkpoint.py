@@ -19,7 +19,6 @@ import pickle
 import re
 import shutil
 import signal
-import socket
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -31,6 +30,7 @@ from accelerate.logging import get_logger
 
 from mlm_ddp.config import RunConfig
 from mlm_ddp.distributed import patient_collectives
+from mlm_ddp.durable import fsync_dir, fsync_tree
 from mlm_ddp.errors import BadInput, CheckpointWriteError
 from mlm_ddp.heartbeat import PhaseReport, unreported
 
@@ -109,7 +109,7 @@ def set_aside_later(output_dir: str | Path, step: int) -> Path | None:
     aside.mkdir()
     for path in later:
         os.replace(path, aside / path.name)
-    _fsync_dir(checkpoints_dir(output_dir))
+    fsync_dir(checkpoints_dir(output_dir))
     return aside
 
 
@@ -223,45 +223,11 @@ def temp_dir(output_dir: str | Path, step: int) -> Path:
     return checkpoints_dir(output_dir) / f".tmp-{step_dir_name(step)}"
 
 
-def _fsync_dir(folder: Path) -> None:
-    """Make a folder's entries (a rename, a new file) durable, not only the files' bytes."""
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_tree(root: Path, only: Callable[[Path], bool] | None = None) -> None:
-    """fsync the files under `root` (those `only` selects) and every folder's entries."""
-    for path in sorted(root.rglob("*")):
-        if path.is_file() and (only is None or only(path)):
-            with open(path, "rb") as handle:
-                os.fsync(handle.fileno())
-        elif path.is_dir():
-            _fsync_dir(path)
-    _fsync_dir(root)
-
-
 def written_by_rank(path: Path, rank: int) -> bool:
     """The files of a checkpoint that rank `rank` writes: its RNG states, its stream position, its
     FSDP shards. On a network filesystem only the writer's fsync makes them durable, so each rank
     fsyncs its own before the main process marks the checkpoint complete."""
     return path.name in (f"random_states_{rank}.pkl", data_state_name(rank), f"__{rank}_0.distcp")
-
-
-def write_atomic(path: Path, text: str, shared: bool = False) -> None:
-    """Write `text` to `path` through a temporary file and a rename: a crash leaves the old file or
-    the new one, never a torn one (a torn summary.json would make `auto` think a run finished).
-    `shared`: several processes may write the same file at once (the same text), each through a
-    temporary file of its own, which no other can replace under it."""
-    tmp = path.with_name(f".tmp-{path.name}" + (f".{socket.gethostname()}.{os.getpid()}" if shared else ""))
-    with open(tmp, "w") as handle:
-        handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
 
 
 def finalize(tmp: Path, state: TrainerState, config_yaml: str,
@@ -270,16 +236,16 @@ def finalize(tmp: Path, state: TrainerState, config_yaml: str,
     `before_marker` runs when every file but the marker is durable (tests widen that window)."""
     (tmp / STATE_FILE).write_text(json.dumps(asdict(state), indent=1))
     (tmp / "config.yaml").write_text(config_yaml)
-    _fsync_tree(tmp)
+    fsync_tree(tmp)
     if before_marker is not None:
         before_marker()
     (tmp / MARKER).write_text("ok\n")
-    _fsync_tree(tmp)
+    fsync_tree(tmp)
     final = tmp.parent / step_dir_name(state.step)
     if final.exists():  # a save of the same step from an earlier, superseded attempt
         shutil.rmtree(final)
     os.replace(tmp, final)
-    _fsync_dir(final.parent)  # the rename itself is durable before rotation deletes an older save
+    fsync_dir(final.parent)  # the rename itself is durable before rotation deletes an older save
     return final
 
 
@@ -385,7 +351,7 @@ class Checkpointer:
             if data_state is not None:  # this rank's stream position
                 (tmp / data_state_name(accelerator.process_index)).write_text(json.dumps(data_state))
             if not is_main:  # the main process fsyncs the whole folder in `finalize`
-                _fsync_tree(tmp, functools.partial(written_by_rank, rank=accelerator.process_index))
+                fsync_tree(tmp, functools.partial(written_by_rank, rank=accelerator.process_index))
         except Exception as err:  # safetensors and torch.save report a full disk in their own types
             error = err
         self._agree_saved(tmp, final, error)

@@ -26,6 +26,7 @@ from mlm_ddp import checkpoint as ckpt
 from mlm_ddp import data as mdata
 from mlm_ddp.config import Config
 from mlm_ddp.distributed import MainProcessWait
+from mlm_ddp.durable import write_atomic
 from mlm_ddp.errors import EXIT_REQUEUE, AlreadyFinished, BadInput
 from mlm_ddp.model import from_scratch, inner_state_dict
 from mlm_ddp.report import write_report
@@ -329,7 +330,7 @@ class RunFolder:
             out.mkdir(parents=True, exist_ok=True)
         wait.barrier()
         if accelerator.is_main_process:
-            ckpt.write_atomic(out / "config.yaml", self.cfg.to_yaml())
+            write_atomic(out / "config.yaml", self.cfg.to_yaml())
             (out / STOPPED_FILE).unlink(missing_ok=True)  # this run continues what stopped
             if start.own_checkpoint and (aside := ckpt.set_aside_later(out, start.state.step)) is not None:
                 logger.warning("resumed from step %d: the later checkpoints of the abandoned run were moved to %s "
@@ -341,12 +342,12 @@ class RunFolder:
     def write_stopped(self, is_main: bool, reason: str, step: int, checkpoint: Path) -> None:
         """Why the run stopped early, for the scheduler's logs and the next attempt (main process)."""
         if is_main:
-            ckpt.write_atomic(self.path / STOPPED_FILE, json.dumps(
+            write_atomic(self.path / STOPPED_FILE, json.dumps(
                 {"reason": reason, "step": step, "checkpoint": str(checkpoint), "exit_code": EXIT_REQUEUE}))
 
     def write_summary(self, is_main: bool, summary: dict[str, Any]) -> None:
         if is_main:
-            ckpt.write_atomic(self.path / SUMMARY_FILE, json.dumps(summary, indent=1))
+            write_atomic(self.path / SUMMARY_FILE, json.dumps(summary, indent=1))
 
     def save_final(self, accelerator: Accelerator, wait: MainProcessWait, model: Any, tokenizer: Any,
                    card: str) -> Path:

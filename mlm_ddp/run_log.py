@@ -21,9 +21,9 @@ from accelerate import Accelerator
 from accelerate.logging import get_logger
 from tqdm.auto import tqdm
 
-from mlm_ddp import checkpoint as ckpt
 from mlm_ddp import speed
 from mlm_ddp.config import Config, RunConfig
+from mlm_ddp.durable import write_atomic
 from mlm_ddp.errors import BadInput
 from mlm_ddp.heartbeat import PhaseReport, unreported
 from mlm_ddp.step import StepResult
@@ -226,7 +226,7 @@ class RunLog:
         """Drop what was logged after `step` (a crashed run's lines, or those a rollback replays)."""
         if self.enabled and self.path.exists():
             kept = [line for line, record in read_metrics_lines(self.path) if record.get("step", 0) <= step]
-            ckpt.write_atomic(self.path, "".join(line + "\n" for line in kept))
+            write_atomic(self.path, "".join(line + "\n" for line in kept))
 
     def rewind(self, step: int, tokens_seen: int) -> None:
         """Back to a checkpoint's `step` (a loss-spike rollback): its lines, counts and progress."""
