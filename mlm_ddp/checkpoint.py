@@ -400,6 +400,7 @@ class Checkpointer:
 
         for key, (old, new) in accepted_changes.items():
             logger.info("resuming with a changed setting: %s %r -> %r", key, old, new)
+        self.beat(step, "checkpoint")  # a rollback's load: its collectives wait up to --save_timeout
         try:
             with self.patient():
                 self.accelerator.load_state(str(path))

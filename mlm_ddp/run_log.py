@@ -256,9 +256,10 @@ class RunLog:
     def maybe(self, step: int, epoch: float, lr: float) -> dict[str, Any]:
         """Called after every optimizer step: on a logging step (and the last) the training record
         since the previous one (a collective), else {}."""
-        self.beat(step, "log")
+        logs = not (step % self.every and step != self.total_steps)
+        self.beat(step, "log", "the all-reduce of the logged sums" if logs else None)  # one beat either way
         self.progress.update(1)
-        if step % self.every and step != self.total_steps:
+        if not logs:
             return {}
         loss_sum, masked, tokens = self.since_log.reduced(self.accelerator)
         record = {"step": step, "epoch": round(epoch, 4), "loss": loss_sum / max(masked, 1), "lr": lr,

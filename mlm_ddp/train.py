@@ -34,13 +34,14 @@ from mlm_ddp import distributed
 from mlm_ddp.config import Config, parse_args
 from mlm_ddp.errors import EXIT_FAILED, BadInput, Preempted, RunEnded, say
 from mlm_ddp.evaluation import Evaluator
-from mlm_ddp.heartbeat import Beat, Heartbeat, Watch, diagnose, watchdog
+from mlm_ddp.heartbeat import Beat, Heartbeat, diagnose
 from mlm_ddp.hub import check_hub, push
 from mlm_ddp.model import load_model, load_model_config, load_tokenizer, max_positions, prepare_for_training
 from mlm_ddp.run_folder import RunFolder, Start, agree_on_resume, model_card
 from mlm_ddp.run_log import RunLog, check_trackers, describe_start, utilisation
 from mlm_ddp.spikes import LossSpikes
 from mlm_ddp.step import SkippedSteps, StepResult, agree_on_step, train_step
+from mlm_ddp.watchdog import SAVE_PHASES, Watchdog, on_stall_exit, store_of_process_group
 
 logger = get_logger(__name__)
 
@@ -181,7 +182,7 @@ def build(cfg: Config, checked: Checked, hooks: Hooks) -> Training:
                                                                  cfg.training, data.total_steps)
     # made now, written once the folder is prepared: the parts of the loop report their phases to it
     heartbeat = Heartbeat(path, accelerator.process_index, accelerator.num_processes, hooks.on_beat,
-                          watch(cfg, checked) if accelerator.num_processes > 1 else None, start=False)
+                          watch(cfg, checked, accelerator.num_processes), start=False)
     checkpointer = ckpt.Checkpointer(cfg.run, accelerator, wait, scheduler, cfg.to_yaml(),
                                      start.state.step if start.resume_from else None, hooks.before_checkpoint_marker,
                                      heartbeat.beat)
@@ -207,10 +208,18 @@ def build(cfg: Config, checked: Checked, hooks: Hooks) -> Training:
                     evaluator, checkpointer, heartbeat, hooks, spikes, skips)
 
 
-def watch(cfg: Config, checked: Checked) -> Watch:
-    """The heartbeat's watchdog (heartbeat.Watch): it names a hang before the backend's own timeout."""
-    return watchdog(cfg.run.ddp_timeout, cfg.run.save_timeout, checked.folder.path, checked.topo.rank,
-                    functools.partial(distributed.lost_contact, checked.topo), "mlm_ddp.train", EXIT_FAILED)
+def watch(cfg: Config, checked: Checked, world: int) -> Watchdog | None:
+    """The watchdog (watchdog.py) that names a hang before the backend's own timeout; None alone."""
+    store = store_of_process_group() if world > 1 else None
+    if store is None:
+        return None
+
+    def timeout_s(phase: str) -> float:
+        return cfg.run.save_timeout if phase in SAVE_PHASES else cfg.run.ddp_timeout
+
+    on_stall = on_stall_exit(checked.folder.path, checked.topo.rank,
+                             functools.partial(distributed.lost_contact, checked.topo), "mlm_ddp.train", EXIT_FAILED)
+    return Watchdog(store, checked.topo.rank, world, timeout_s, on_stall)
 
 
 def train_feed(cfg: Config, start: Start, accelerator: Accelerator,

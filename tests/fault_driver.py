@@ -5,10 +5,16 @@ production code's environment:
 - `--slow_save_s S`: every checkpoint save sleeps S seconds once its files are durable and before its
   COMPLETE marker, widening the window in which a kill leaves a half-written checkpoint, or in which
   the other ranks wait for the main process.
-- `--freeze RANK:STEP:PHASE`: rank RANK stops itself with SIGSTOP right after its heartbeat enters
-  PHASE of step STEP (a hung rank, as a dead node or a stuck read leaves it).
+- `--freeze RANK:STEP:PHASE`: rank RANK stops itself with SIGSTOP 3 s after its heartbeat enters
+  PHASE of step STEP (a hung rank, as a dead node leaves it).
 - `--slow_shard_write RANK:S`: rank RANK sleeps S seconds in torch.distributed.checkpoint's writing of
   its shards (an FSDP save on a slow disk), while the other ranks wait in the save's collectives.
+- `--stick RANK:STEP:PHASE`: rank RANK sleeps (alive: its threads run) right after its heartbeat enters
+  PHASE of step STEP (a rank stuck in a read or a deadlock of its own).
+- `--slow_eval_s S`: every evaluation sleeps S seconds on every rank before it computes (a large
+  validation split: a long phase without a collective).
+- `--slow_final_s RANK:S`: rank RANK sleeps S seconds in its final phase, after final/ is saved (a slow
+  report or tracker upload), while the other ranks have finished.
 - `--spike STEP:FACTOR`: the first micro-batch of step STEP has its loss multiplied by FACTOR on every
   rank, once (a replay of that step after a rollback is not spiked again).
 
@@ -24,7 +30,7 @@ import signal
 import sys
 import time
 
-from mlm_ddp.heartbeat import Beat
+from mlm_ddp.heartbeat import ALIVE_EVERY_S, Beat
 from mlm_ddp.train import Hooks
 from mlm_ddp.train import main as train_main
 
@@ -32,7 +38,43 @@ from mlm_ddp.train import main as train_main
 def freeze_at(where: str, beat: Beat) -> None:
     rank, step, phase = where.split(":", 2)
     if (beat.rank, beat.step, beat.phase, beat.collective) == (int(rank), int(step), phase, None):
+        # the alive thread publishes the phase first (it does so once per ALIVE_EVERY_S): a rank frozen in
+        # the very microsecond it entered a phase is named where it last published from
+        time.sleep(1.5 * ALIVE_EVERY_S)
         os.kill(os.getpid(), signal.SIGSTOP)
+
+
+def stick_at(where: str, beat: Beat) -> None:
+    rank, step, phase = where.split(":", 2)
+    if (beat.rank, beat.step, beat.phase, beat.collective) == (int(rank), int(step), phase, None):
+        time.sleep(3600)
+
+
+def slow_evaluations(seconds: float) -> None:
+    from mlm_ddp import evaluation
+
+    evaluate = evaluation.evaluate_mlm
+
+    def slow(*args: object, **kwargs: object) -> object:
+        time.sleep(seconds)
+        return evaluate(*args, **kwargs)
+
+    evaluation.evaluate_mlm = slow
+
+
+def slow_final_phase(where: str) -> None:
+    rank, seconds = where.split(":")
+    if os.environ.get("RANK") != rank:
+        return
+    from mlm_ddp.run_folder import RunFolder
+
+    write_summary = RunFolder.write_summary
+
+    def slow(self: RunFolder, *args: object, **kwargs: object) -> None:
+        time.sleep(float(seconds))
+        write_summary(self, *args, **kwargs)
+
+    RunFolder.write_summary = slow
 
 
 class OneSpike:
@@ -70,11 +112,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--freeze", metavar="RANK:STEP:PHASE")
     parser.add_argument("--spike", metavar="STEP:FACTOR")
     parser.add_argument("--slow_shard_write", metavar="RANK:S")
+    parser.add_argument("--stick", metavar="RANK:STEP:PHASE")
+    parser.add_argument("--slow_eval_s", type=float)
+    parser.add_argument("--slow_final_s", metavar="RANK:S")
     faults, train_argv = parser.parse_known_args(argv)
     if faults.slow_shard_write is not None:
         slow_shard_writes(faults.slow_shard_write)
+    if faults.slow_eval_s is not None:
+        slow_evaluations(faults.slow_eval_s)
+    if faults.slow_final_s is not None:
+        slow_final_phase(faults.slow_final_s)
     slow = None if faults.slow_save_s is None else functools.partial(time.sleep, faults.slow_save_s)
     freeze = None if faults.freeze is None else functools.partial(freeze_at, faults.freeze)
+    if faults.stick is not None:
+        freeze = functools.partial(stick_at, faults.stick)
     spike = None if faults.spike is None else OneSpike(faults.spike)
     return train_main(train_argv, Hooks(before_checkpoint_marker=slow, on_beat=freeze, loss_factor=spike))
 
