@@ -3,53 +3,48 @@ every core (`--num_workers`) and over Slurm array tasks (`--nodes N` through Sub
 `sbatch --array` with slurm/prepare.sh), into memory-mapped Arrow shards that `mlm_ddp.train`
 reads with `--prepared_data DIR` (the folder's layout: mlm_ddp/data/prepared.py).
 
-The same data and tokenizer flags as training. The unit of work is a chunk of `TOKENIZE_BATCH` texts
-of one input file, packed on its own exactly as the map-style path packs one tokenization batch, so
-the blocks of a file do not depend on how many workers or tasks share the work. Task i of N takes its
-share of the input files, balanced by bytes (`data.stream.balance_shards`); it reads them in
-chunks (memory stays bounded: at most 2 chunks per worker in flight), writes its shards into a
-temporary folder and renames it into place with its marker. Running the same command again skips the
-tasks that have their marker; the task that finds every part complete writes the manifest.
+The same data and tokenizer flags as training, and the same splits (`--dataset_name FOLDER` by
+`datasets`' own rules: mlm_ddp/data/sources.py). The unit of work is a chunk of `TOKENIZE_BATCH` rows of
+one split, its files read one after the other, packed on its own exactly as the map-style path packs
+one tokenization batch: the blocks do not depend on the workers or tasks, and with a validation split
+they are the map-style path's (a held-out share is drawn per text: docs/prepare.md). Task i of N takes
+its share of the input files, balanced by bytes (`data.stream.balance_shards`), and the chunks that
+begin in them; it reads them (memory stays bounded: at most 2 chunks per worker in flight), writes its
+shards into a temporary folder, flushes them to the disk, and renames the folder into place with its
+marker. Running the same command again skips the tasks that have their marker; the task that finds
+every part complete checks every shard against its part's record and writes the manifest.
 """
 
 from __future__ import annotations
 
 import argparse
-import glob
+import contextlib
 import json
-import multiprocessing
 import os
 import resource
 import shutil
 import socket
 import sys
 import time
-from collections import deque
 from collections.abc import Iterator
-from concurrent.futures import ProcessPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
-import pyarrow as pa
 import pyarrow.compute as pc
-from datasets import Features, Sequence, Value, load_dataset
 from datasets.arrow_writer import ArrowWriter
 from transformers import HfArgumentParser
 
 from mlm_ddp import distributed
-from mlm_ddp.checkpoint import write_atomic
 from mlm_ddp.config import DataConfig, ModelConfig, _doc
 from mlm_ddp.data import prepared as fmt
-from mlm_ddp.data.pack import TOKENIZE_BATCH, tokenize_and_pack
+from mlm_ddp.data.pack import TOKENIZE_BATCH
+from mlm_ddp.data.pool import Packer, WorkerDied, Workers
+from mlm_ddp.data.sources import PROG, Corpus, FileRead, count_rows, owned_chunks, reader, resolve
 from mlm_ddp.data.stream import balance_shards
-from mlm_ddp.data.text import SUFFIX_BUILDERS, check_columns
+from mlm_ddp.durable import fsync_dir, write_atomic
 from mlm_ddp.errors import EXIT_BAD_INPUT, BadInput, say
-
-PROG = "mlm_ddp.prepare"
-LONG_TEXT = 1_000_000  # characters of one text above which prepare warns (docs/prepare.md "Measured")
 
 
 @dataclass
@@ -92,61 +87,15 @@ class PrepareConfig:
 # ---------------------------------------------------------------------------------------------
 
 
-def expand(spec: str, flag: str) -> list[Path]:
-    """A file, a folder (its files of a known suffix, recursively) or a glob -> files, sorted."""
-    path = Path(spec)
-    if path.is_dir():
-        found = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in SUFFIX_BUILDERS)
-    elif any(ch in spec for ch in "*?["):
-        found = sorted(Path(p) for p in glob.glob(spec, recursive=True) if Path(p).is_file())
-    else:
-        found = [path] if path.is_file() else []
-    if not found:
-        raise BadInput(f"{flag} {spec}: no such file, or no {'/'.join(sorted(SUFFIX_BUILDERS))} file in it")
-    for file in found:
-        if file.suffix.lower() not in SUFFIX_BUILDERS:
-            raise BadInput(f"{flag}: {file} has an unknown extension {file.suffix or '(none)'!r}; use one of "
-                           f"{', '.join(sorted(SUFFIX_BUILDERS))}")
-        try:
-            size = file.stat().st_size
-            with open(file, "rb"):
-                pass
-        except OSError as err:
-            raise BadInput(f"{file}: cannot be read ({err.strerror or err})") from err
-        if size == 0:
-            raise BadInput(f"{file}: the file is empty; remove it from {flag} {spec}")
-    return found
-
-
-def inputs(data: DataConfig) -> list[dict[str, Any]]:
-    """The input files in the order training reads their blocks: training files, then validation files."""
-    if data.streaming:
-        raise BadInput("--streaming: a prepared folder is read memory-mapped, not streamed; drop --streaming")
-    if data.prepared_data is not None:
-        raise BadInput("--prepared_data: that folder is prepared already; give the raw text (--train_file)")
-    source = data.train_file or data.dataset_name
-    if source is None:
-        raise BadInput("give the corpus: --train_file (a file, a folder or a glob) or --dataset_name (a local "
-                       "dataset folder)")
-    flag = "--train_file" if data.train_file else "--dataset_name"
-    if data.dataset_name is not None and not Path(data.dataset_name).is_dir():
-        raise BadInput(f"--dataset_name {data.dataset_name}: prepare reads local files; download the dataset "
-                       "first (its folder can be given here)")
-    files = [("train", p) for p in expand(source, flag)]
-    if data.validation_file is not None:
-        files += [("eval", p) for p in expand(data.validation_file, "--validation_file")]
-    suffixes = {SUFFIX_BUILDERS[p.suffix.lower()] for _, p in files}
-    if len(suffixes) > 1:
-        raise BadInput(f"the input files mix formats ({', '.join(sorted(suffixes))}); give files of one format")
-    return [{"path": str(p.resolve()), "role": role, "bytes": p.stat().st_size} for role, p in files]
-
-
-def make_plan(data: DataConfig, tokenizer: Any, seed: int, tasks: int) -> dict[str, Any]:
-    files = inputs(data)
-    held_out = 0.0 if data.validation_file is not None else data.validation_split_percentage
+def make_plan(data: DataConfig, corpus: Corpus, tokenizer: Any, seed: int, tasks: int) -> dict[str, Any]:
+    """The input files in the order training reads their blocks (training files, then validation files)."""
+    files = [{"path": str(p.resolve()), "role": role, "bytes": p.stat().st_size}
+             for role in fmt.SPLITS for p in corpus.splits[role]]
+    held_out = 0.0 if corpus.splits["eval"] else data.validation_split_percentage  # as training holds out
     return {
         "format_version": fmt.FORMAT_VERSION,
         "inputs": files,
+        "left_out": corpus.left_out,
         "tasks": tasks,
         "assignment": balance_shards([f["bytes"] for f in files], tasks, equal_counts=False),
         "settings": {
@@ -154,26 +103,27 @@ def make_plan(data: DataConfig, tokenizer: Any, seed: int, tasks: int) -> dict[s
                           "fingerprint": fmt.tokenizer_fingerprint(tokenizer), "vocab_size": len(tokenizer)},
             "max_seq_length": data.max_seq_length, "packing": fmt.packing(data),
             "word_continues": data.whole_word_mask, "text_column": data.text_column,
+            "builder": corpus.builder, "builder_options": corpus.options,
             "held_out_percent": held_out, "seed": seed, "texts_per_chunk": TOKENIZE_BATCH,
         },
     }
 
 
-OWN_NAMES = (fmt.PLAN, fmt.MANIFEST, fmt.PARTS, "submitit")  # what a prepare writes at the folder's top
+OWN_NAMES = (fmt.PLAN, fmt.MANIFEST, fmt.PARTS, fmt.ROWS, "submitit")  # what a prepare writes at the folder's top
 
 
 def fix_plan(folder: Path, plan: dict[str, Any], overwrite: bool) -> None:
     """Write the plan, or check that the folder's is this one: a relaunch must not mix parts of two plans."""
     path = folder / fmt.PLAN
     if overwrite:
-        for name in (fmt.PLAN, fmt.MANIFEST, fmt.PARTS):
+        for name in (fmt.PLAN, fmt.MANIFEST, fmt.PARTS, fmt.ROWS):
             target = folder / name
             shutil.rmtree(target) if target.is_dir() else target.unlink(missing_ok=True)
     elif path.is_file():
         earlier = json.loads(path.read_text())
         if earlier == plan:
             return
-        changed = [key for key in ("inputs", "tasks", "settings") if earlier.get(key) != plan.get(key)]
+        changed = [key for key in ("inputs", "tasks", "settings") if earlier.get(key) != plan.get(key)] or ["inputs"]
         raise BadInput(f"--output_dir {folder} holds a prepare of other {' and '.join(changed)}; run the same "
                        "command as before to finish it, choose another --output_dir, or pass "
                        "--overwrite_output_dir to start over")
@@ -189,146 +139,74 @@ def fix_plan(folder: Path, plan: dict[str, Any], overwrite: bool) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Packer:
-    """What a worker does to one chunk (picklable; a worker process gets it once)."""
-
-    tokenizer: Any
-    max_seq_length: int
-    word_continues: bool
-    line_by_line: bool
-    id_type: str  # the smallest unsigned type that holds every token id
-
-    def schema(self) -> Features:
-        columns = {"input_ids": Sequence(Value(self.id_type))}
-        if self.word_continues:
-            columns["word_continues"] = Sequence(Value("uint8"))
-        return Features(columns)
-
-    def table(self, texts: list[str]) -> pa.Table | None:
-        packed = tokenize_and_pack(texts, self.tokenizer, self.max_seq_length, self.word_continues,
-                                   self.line_by_line)
-        if not packed["input_ids"]:
-            return None
-        return pa.table({name: pa.array(rows, type=pa.list_(pa.from_numpy_dtype(
-            np.dtype(self.id_type if name == "input_ids" else "uint8")))) for name, rows in packed.items()})
-
-    def __call__(self, chunk: tuple[list[str], list[bool]]) -> tuple[pa.Table | None, pa.Table | None, int]:
-        """(train blocks, held-out blocks, non-blank texts) of one chunk."""
-        texts, held = chunk
-        kept = sum(1 for t in texts if isinstance(t, str) and t.strip())
-        return (self.table([t for t, h in zip(texts, held, strict=True) if not h]),
-                self.table([t for t, h in zip(texts, held, strict=True) if h]), kept)
-
-
-def chunks(file: dict[str, Any], index: int, settings: dict[str, Any]) -> Iterator[tuple[list[str], list[bool]]]:
-    """The file's texts, `TOKENIZE_BATCH` at a time (the map-style path's tokenization batch), each
-    with its held-out draws (seeded by the file and the chunk: the same whoever reads it)."""
-    path, column = file["path"], settings["text_column"]
-    builder = SUFFIX_BUILDERS[Path(path).suffix.lower()]
-    try:
-        stream = load_dataset(builder, data_files=[path], split="train", streaming=True)
-        for number, batch in enumerate(stream.iter(batch_size=TOKENIZE_BATCH)):
-            check_columns(list(batch), column, path)
-            texts = batch[column]
-            for row, text in enumerate(texts):
-                if isinstance(text, str) and len(text) > LONG_TEXT:
-                    say(f"{PROG}: warning: {path}, text {number * TOKENIZE_BATCH + row + 1}: {len(text) / 1e6:.1f}M "
-                        "characters in one text; the tokenizer holds all its tokens at once (measured: 4 GB for "
-                        "27M characters): split such texts into lines")
-            if file["role"] == "eval":
-                held = [True] * len(texts)
-            else:
-                draws = np.random.default_rng([settings["seed"], index, number]).random(len(texts))
-                held = (draws * 100 < settings["held_out_percent"]).tolist()
-            yield texts, held
-    except BadInput:
-        raise
-    except Exception as err:  # noqa: BLE001 - pyarrow, json and csv readers each raise their own types
-        raise BadInput(f"{path}: cannot be read as {builder} ({type(err).__name__}: {str(err)[:300]})") from err
-
-
-class Workers:
-    """`packer` on `count` processes, made once per task: `map` runs it over items in order, with at
-    most 2 per worker in flight (Pool.imap would read the whole input ahead); one worker runs it here.
-    A worker that dies (killed for memory) fails the task with WorkerDied, where a multiprocessing.Pool
-    would wait for its result forever."""
-
-    def __init__(self, packer: Packer, count: int) -> None:
-        self.packer, self.count, self.pool = packer, count, None
-
-    def __enter__(self) -> Workers:
-        if self.count > 1:
-            context = multiprocessing.get_context("spawn")  # a fork would copy the tokenizer's thread state
-            self.pool = ProcessPoolExecutor(self.count, mp_context=context, initializer=_set_packer,
-                                            initargs=(self.packer,))
-        return self
-
-    def __exit__(self, *_exc: Any) -> None:
-        if self.pool is not None:
-            self.pool.shutdown(wait=True, cancel_futures=True)
-
-    def map(self, items: Iterator[Any]) -> Iterator[Any]:
-        if self.pool is None:
-            yield from map(self.packer, items)
-            return
-        pending: deque = deque()
+def file_rows(folder: Path, plan: dict[str, Any], index: int, known: dict[int, int]) -> int:
+    """The rows of input `index`: known here, shared in the folder by the task that counted them, or
+    counted now (and shared): a task needs those of every file before its own in their split."""
+    if index not in known:
+        path = folder / fmt.ROWS / f"f{index:05d}.json"
         try:
-            for item in items:
-                pending.append(self.pool.submit(_pack, item))
-                if len(pending) >= 2 * self.count:
-                    yield pending.popleft().result()
-            while pending:
-                yield pending.popleft().result()
-        except BrokenProcessPool as err:
-            raise WorkerDied(f"a tokenizing worker process died ({err}): killed for memory? A warning above names "
-                             "any text long enough; lower --num_workers or split such texts, then run the same "
-                             "command again (complete parts are kept)") from err
+            known[index] = json.loads(path.read_text())["rows"]
+        except (OSError, ValueError, KeyError):
+            settings = plan["settings"]
+            known[index] = count_rows(plan["inputs"][index]["path"], settings["builder"], settings["builder_options"])
+            path.parent.mkdir(exist_ok=True)
+            write_atomic(path, json.dumps({"rows": known[index]}), shared=True)  # the same, whoever counts
+    return known[index]
 
 
-class WorkerDied(Exception):
-    """A worker process of the task ended without its result."""
+def drawn(chunks: Iterator[tuple[int, list[Any]]], role: str, settings: dict[str, Any]) -> Iterator[tuple]:
+    """Each chunk's texts with their held-out draws, seeded by the chunk's number in its split: the same
+    whoever reads it. A validation file is held out whole."""
+    for number, texts in chunks:
+        if role == "eval":
+            yield texts, [True] * len(texts)
+        else:
+            draws = np.random.default_rng([settings["seed"], number]).random(len(texts))
+            yield texts, (draws * 100 < settings["held_out_percent"]).tolist()
 
 
-_PACKER: list[Packer] = []  # the packer of a worker process, set once by the pool's initializer
-
-
-def _set_packer(packer: Packer) -> None:
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core per worker: the pool is the parallelism
-    _PACKER.append(packer)
-
-
-def _pack(item: Any) -> Any:
-    return _PACKER[0](item)
-
-
-def write_file(workers: Workers, file: dict[str, Any], index: int, settings: dict[str, Any],
+def write_file(workers: Workers, folder: Path, plan: dict[str, Any], index: int, known: dict[int, int],
                into: Path) -> dict[str, Any]:
-    """One input file's shards into `into`; returns its counts."""
+    """The shards of the chunks that begin in input `index`, into `into`, each flushed to the disk;
+    returns their counts."""
+    settings, file = plan["settings"], plan["inputs"][index]
+    split = [i for i, f in enumerate(plan["inputs"]) if f["role"] == file["role"]]
+    at = split.index(index)
+    start = sum(file_rows(folder, plan, i, known) for i in split[:at])
+    seen = FileRead()
+    chunks = owned_chunks([plan["inputs"][i]["path"] for i in split[at:]], start,
+                          reader(settings["builder"], settings["builder_options"], settings["text_column"]), seen)
     counts: dict[str, Any] = {"file": index, "texts": 0, **{s: {"blocks": 0, "tokens": 0} for s in fmt.SPLITS}}
     writers: dict[str, ArrowWriter] = {}
-    for train, held, texts in workers.map(chunks(file, index, settings)):
+    for train, held, texts in workers.map(drawn(chunks, file["role"], settings)):
         counts["texts"] += texts
-        for split, table in (("train", train), ("eval", held)):
+        for name, table in (("train", train), ("eval", held)):
             if table is None:
                 continue
-            if split not in writers:
-                shard = into / fmt.shard_name(split, index)
-                writers[split] = ArrowWriter(features=workers.packer.schema(), path=str(shard))
-            writers[split].write_table(table)
-            counts[split]["blocks"] += table.num_rows
-            counts[split]["tokens"] += int(pc.sum(pc.list_value_length(table["input_ids"])).as_py() or 0)
-    for writer in writers.values():
+            if name not in writers:
+                shard = into / fmt.shard_name(name, index)
+                writers[name] = ArrowWriter(features=workers.packer.schema(), path=str(shard))
+            writers[name].write_table(table)
+            counts[name]["blocks"] += table.num_rows
+            counts[name]["tokens"] += int(pc.sum(pc.list_value_length(table["input_ids"])).as_py() or 0)
+    for name, writer in writers.items():
         writer.finalize()
         writer.close()
-    if counts["texts"] == 0:
+        shard = into / fmt.shard_name(name, index)
+        with open(shard, "rb") as handle:  # on the disk before the part's marker: a complete part is never short
+            os.fsync(handle.fileno())
+        counts[name]["bytes"] = shard.stat().st_size
+    if seen.texts == 0:
         raise BadInput(f"{file['path']}: holds no texts (every line or {settings['text_column']!r} value is blank)")
+    if known.setdefault(index, seen.rows) != seen.rows:
+        raise BadInput(f"{file['path']}: {seen.rows} rows read, {known[index]} counted before: the file changed while "
+                       "it was prepared; run the same command again once it is final")
     return counts
 
 
 def run_task(folder: Path, plan: dict[str, Any], task: int, packer: Packer, workers: int) -> bool:
     """Task `task` of the plan, unless its part is complete; False when it was (nothing done)."""
-    tasks, settings = plan["tasks"], plan["settings"]
+    tasks = plan["tasks"]
     name = fmt.task_dir_name(task, tasks)
     parts = folder / fmt.PARTS
     final = parts / name
@@ -342,15 +220,20 @@ def run_task(folder: Path, plan: dict[str, Any], task: int, packer: Packer, work
         shutil.rmtree(final)
     tmp = parts / f".tmp-{name}.{socket.gethostname()}.{os.getpid()}"
     tmp.mkdir()
-    started, files = time.perf_counter(), plan["assignment"][task]
+    started, files, known = time.perf_counter(), plan["assignment"][task], {}
+    if tasks > 1:  # the tasks of later files need these rows: count them first (cheap) and share them
+        for index in files:
+            file_rows(folder, plan, index, known)
     with Workers(packer, workers) as pool:
-        records = [write_file(pool, plan["inputs"][index], index, settings, tmp) for index in files]
+        records = [write_file(pool, folder, plan, index, known, tmp) for index in files]
     write_atomic(tmp / fmt.PART_FILE, json.dumps({"task": task, "tasks": tasks, "files": records}, indent=1))
-    write_atomic(tmp / fmt.MARKER, "ok\n")
+    write_atomic(tmp / fmt.MARKER, "ok\n")  # last, once the shards and part.json are on the disk
+    fsync_dir(tmp)  # every entry of the part on the disk before the rename makes it complete
     try:
         os.rename(tmp, final)
     except OSError:  # another attempt of this task finished first: its part stands
         shutil.rmtree(tmp, ignore_errors=True)
+    fsync_dir(parts)  # the rename itself on the disk: a complete part stays complete after a crash
     took = time.perf_counter() - started
     tokens = sum(r[s]["tokens"] for r in records for s in fmt.SPLITS)
     rss = [resource.getrusage(who).ru_maxrss / 1024 for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
@@ -386,8 +269,8 @@ def finalize(folder: Path, plan: dict[str, Any]) -> dict[str, Any] | None:
             if record[split]["blocks"] == 0:
                 continue
             path = folder / fmt.PARTS / name / fmt.shard_name(split, index)
-            shards.append({"path": str(path.relative_to(folder)), "split": split, "file": index,
-                           "bytes": path.stat().st_size, **record[split]})
+            check_shard(folder, path, record[split], name)
+            shards.append({"path": str(path.relative_to(folder)), "split": split, "file": index, **record[split]})
             for key in ("blocks", "tokens"):
                 totals[split][key] += record[split][key]
     totals["texts"] = sum(r["texts"] for _, r in records.values())
@@ -397,7 +280,7 @@ def finalize(folder: Path, plan: dict[str, Any]) -> dict[str, Any] | None:
     manifest = {"format_version": fmt.FORMAT_VERSION, "tokenizer": settings["tokenizer"], "max_seq_length": seq,
                 "packing": settings["packing"], "word_continues": settings["word_continues"],
                 "held_out_percent": settings["held_out_percent"], "seed": settings["seed"], "counts": totals,
-                "sources": plan["inputs"], "tasks": tasks, "shards": shards}
+                "sources": plan["inputs"], "left_out": plan["left_out"], "tasks": tasks, "shards": shards}
     write_atomic(folder / fmt.MANIFEST, json.dumps(manifest, indent=1), shared=True)  # maybe by two last tasks
     for leftover in (folder / fmt.PARTS).glob(".tmp-*"):
         shutil.rmtree(leftover, ignore_errors=True)
@@ -405,6 +288,19 @@ def finalize(folder: Path, plan: dict[str, Any]) -> dict[str, Any] | None:
     say(f"{PROG}: {folder}: {train['blocks']} training blocks ({train['tokens']} tokens), {held['blocks']} held-out "
         f"blocks, from {totals['texts']} texts in {len(plan['inputs'])} file(s); train with --prepared_data {folder}")
     return manifest
+
+
+def check_shard(folder: Path, path: Path, record: dict[str, int], part: str) -> None:
+    """A shard holds what its task wrote before it marked its part complete, or that part is set aside
+    (renamed to a temporary name, never read, redone by the next run of its task) and a line says so."""
+    problem = fmt.shard_problem(path, record["blocks"], record["bytes"])
+    if problem is None:
+        return
+    with contextlib.suppress(OSError):  # another last task may have set it aside already
+        os.rename(folder / fmt.PARTS / part, folder / fmt.PARTS / f".tmp-{part}.damaged")
+    raise BadInput(f"{path}: {problem}, where its task wrote {record['blocks']} blocks in {record['bytes']} bytes "
+                   f"before marking its part complete (lost in a crash, or changed since); part {part} is set aside: "
+                   "run the same command again to redo that task")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -425,9 +321,12 @@ def planned(model: ModelConfig, data: DataConfig, opts: PrepareConfig, tasks: in
     """(the tokenizer, the folder, its plan): the plan made, and written or checked against the folder's."""
     from mlm_ddp.model import load_tokenizer
 
+    corpus = resolve(data)
+    for split, files in corpus.left_out.items():
+        say(f"{PROG}: the {split!r} split ({len(files)} file(s)) is left out, as training leaves it out")
     tokenizer = load_tokenizer(model, needs_word_ids=data.whole_word_mask)
     folder = Path(opts.output_dir)
-    plan = make_plan(data, tokenizer, opts.seed, tasks)
+    plan = make_plan(data, corpus, tokenizer, opts.seed, tasks)
     fix_plan(folder, plan, opts.overwrite_output_dir)
     return tokenizer, folder, plan
 

@@ -20,10 +20,15 @@ from pathlib import Path
 
 import pytest
 from datasets import Dataset
+from transformers import AutoTokenizer
 
 from mlm_ddp import prepare as prep
 from mlm_ddp.config import parse_args
 from mlm_ddp.data import prepared as fmt
+from mlm_ddp.data.pack import tokenize_dataset
+from mlm_ddp.data.sources import LONG_TEXT, resolve
+from mlm_ddp.data.text import load_text
+from mlm_ddp.prepare import make_plan
 from mlm_ddp.train import main as train_main
 from mlm_ddp.train import train
 from tests.conftest import NO_DROPOUT, REPO, SAME_STEPS, corpus_paragraphs, tiny_args, train_losses
@@ -185,6 +190,167 @@ def test_a_prepared_run_resumes_and_resumes_on_another_number_of_processes(
     resumed = train_losses(out)
     assert sorted(resumed) == list(range(SAVED + 1, STEPS + 1))
     assert_same_curve(train_losses(straight), resumed)
+
+
+# --- a `datasets` folder: split as training splits it ------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Two `datasets` folders of the same training files, train-00000.txt to train-00002.txt (1 300, 650
+    and 480 lines: the map-style path's batches of 1 000 rows span them), and a test.txt; one also has a
+    validation.txt."""
+    paragraphs = corpus_paragraphs()
+    root = tmp_path_factory.mktemp("folders")
+    lines = [paragraphs[(7 * i) % len(paragraphs)] for i in range(2430)]  # shifted: no two chunks alike
+    lines[500] = ""
+    found = {}
+    for name, validation in (("validation", True), ("test", False)):
+        folder = found[name] = root / name
+        folder.mkdir()
+        for number, (first, last) in enumerate(((0, 1300), (1300, 1950), (1950, 2430))):
+            (folder / f"train-{number:05d}.txt").write_text("\n".join(lines[first:last]) + "\n")
+        (folder / "test.txt").write_text("\n".join(paragraphs[1500:1650]) + "\n")
+        if validation:
+            (folder / "validation.txt").write_text("\n".join(paragraphs[1650:1799]) + "\n")
+    return found
+
+
+def folder_args(model: Path, folder: Path, out: Path, *extra: str) -> list[str]:
+    args = raw_args(model, {"big": Path("-"), "valid": Path("-")}, out, *extra)
+    at = args.index("--train_file")
+    del args[at:at + 4]  # --train_file and --validation_file
+    return [*args, "--dataset_name", str(folder)]
+
+
+def prepare_folder_args(model: Path, folder: Path, out: Path, *extra: str) -> list[str]:
+    return ["--model_name_or_path", str(model), "--dataset_name", str(folder), "--output_dir", str(out),
+            "--max_seq_length", "32", "--num_workers", "1", *extra]
+
+
+def eval_figures(out: Path) -> list[dict[str, float]]:
+    return [{k: r[k] for k in ("step", "eval_loss", "perplexity", "eval_accuracy")}
+            for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "eval_loss" in r]
+
+
+def test_a_datasets_folder_trains_and_evaluates_as_the_raw_folder_once_prepared(tiny_model: Path, folders: dict,
+                                                                               tmp_path: Path) -> None:
+    folder, prepared = folders["validation"], tmp_path / "prepared"
+    for task in ("1", "0"):  # task 0's last chunk reads into task 1's files
+        assert prep.main(prepare_folder_args(tiny_model, folder, prepared, "--tasks", "2", "--task", task)) == 0
+    train(parse_args(folder_args(tiny_model, folder, tmp_path / "raw")))
+    train(parse_args(prepared_args(tiny_model, prepared, tmp_path / "from-prepared")))
+    raw, got = train_losses(tmp_path / "raw"), train_losses(tmp_path / "from-prepared")
+    assert sorted(got) == list(range(1, STEPS + 1))
+    assert_same_curve(raw, got)
+    expected, found = eval_figures(tmp_path / "raw"), eval_figures(tmp_path / "from-prepared")
+    assert expected and [r["step"] for r in found] == [r["step"] for r in expected]
+    for mine, theirs in zip(found, expected, strict=True):
+        assert mine == pytest.approx(theirs, rel=SAME_STEPS)
+    manifest = json.loads((prepared / fmt.MANIFEST).read_text())
+    assert [(Path(s["path"]).name, s["role"]) for s in manifest["sources"]] == [
+        ("train-00000.txt", "train"), ("train-00001.txt", "train"), ("train-00002.txt", "train"),
+        ("validation.txt", "eval")]
+    assert manifest["left_out"] == {"test": [str(folder / "test.txt")]} and manifest["held_out_percent"] == 0
+
+
+def test_a_folder_with_a_test_split_and_no_validation_is_read_as_training_reads_it(
+        tiny_model: Path, folders: dict, tmp_path: Path) -> None:
+    """The test split left out, as training leaves it; the validation share held out of the training
+    files, as training holds it out (drawn per text here: see docs/prepare.md)."""
+    folder = folders["test"]
+    cfg = parse_args(folder_args(tiny_model, folder, tmp_path / "raw", "--validation_split_percentage", "0"))
+    prepared = tmp_path / "prepared"
+    assert prep.main(prepare_folder_args(tiny_model, folder, prepared, "--validation_split_percentage", "0")) == 0
+    raw_train, raw_eval = load_text(cfg.data, seed=42)
+    assert raw_eval is None
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    assert blocks(prepared) == {"train": tokenize_dataset(raw_train, tokenizer, cfg.data)["input_ids"], "eval": []}
+    corpus = resolve(cfg.data)
+    assert [p.name for p in corpus.splits["train"]] == ["train-00000.txt", "train-00001.txt", "train-00002.txt"]
+    assert corpus.splits["eval"] == [] and corpus.left_out == {"test": [str(folder / "test.txt")]}
+    default = make_plan(parse_args(folder_args(tiny_model, folder, tmp_path / "x")).data, corpus, tokenizer, 42, 1)
+    assert default["settings"]["held_out_percent"] == 5
+
+
+# --- durable parts: on the disk before their marker, checked when read ---------------------------------
+
+
+def test_a_part_is_on_the_disk_before_its_marker(tiny_model: Path, texts: dict, tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """The order of what reaches the disk, recorded at os.fsync, os.replace and os.rename (each then
+    does its real work): every shard is flushed before the marker is put in place, the part's folder
+    after that and before the rename that completes the part, and the parts folder after the rename."""
+    events: list[tuple[str, ...]] = []
+    real = {name: getattr(os, name) for name in ("fsync", "replace", "rename")}
+
+    def fsync(fd: int) -> None:
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        real["fsync"](fd)
+
+    def move(name: str) -> object:
+        def moved(src: object, dst: object, **kwargs: object) -> None:
+            events.append((name, str(src), str(dst)))
+            real[name](src, dst, **kwargs)
+        return moved
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", move("replace"))
+    monkeypatch.setattr(os, "rename", move("rename"))
+    out = tmp_path / "out"
+    assert prep.main(prepare_args(tiny_model, texts["corpus"], out, "--validation_file", str(texts["valid"]))) == 0
+    monkeypatch.undo()
+    parts = out / fmt.PARTS
+    part = parts / "task-00000-of-00001"
+    completed = next(i for i, e in enumerate(events) if e[0] == "rename" and e[2] == str(part))
+    tmp = Path(events[completed][1])
+    marker = next(i for i, e in enumerate(events) if e[0] == "replace" and e[2] == str(tmp / fmt.MARKER))
+    shards = sorted(p.name for p in part.glob("*.arrow"))
+    assert shards == ["eval-f00002.arrow", "train-f00000.arrow"]  # a.txt owns every training chunk
+    for name in shards:
+        assert events.index(("fsync", str(tmp / name))) < marker, name
+    assert ("fsync", str(tmp)) in events[marker:completed]
+    assert ("fsync", str(parts)) in events[completed:]
+
+
+def test_a_part_cut_short_after_its_marker_is_set_aside_and_redone(tiny_model: Path, texts: dict, one_worker: Path,
+                                                                   tmp_path: Path,
+                                                                   capsys: pytest.CaptureFixture) -> None:
+    out = tmp_path / "out"
+
+    def task(number: int) -> list[str]:
+        return prepare_args(tiny_model, texts["corpus"], out, "--validation_file", str(texts["valid"]), "--tasks",
+                            "2", "--task", str(number))
+
+    assert prep.main(task(0)) == 0
+    shard = out / fmt.PARTS / "task-00000-of-00002" / "train-f00000.arrow"
+    size = shard.stat().st_size
+    os.truncate(shard, size // 2)  # what a crash leaves of data never flushed
+    capsys.readouterr()
+    assert prep.main(task(1)) == 2  # the last task, which would write the manifest
+    lines = error_lines(capsys.readouterr().err, "mlm_ddp.prepare")
+    assert len(lines) == 1 and f"{shard}: {size // 2} bytes, where its task wrote" in lines[0], lines
+    assert f"{size} bytes before marking its part complete" in lines[0] and "redo that task" in lines[0]
+    assert not (out / fmt.MANIFEST).exists() and not fmt.part_complete(out, 0, 2)
+    assert prep.main(task(0)) == 0  # the same command again redoes task 0 and writes the manifest
+    assert blocks(out) == blocks(one_worker)
+
+
+def test_training_refuses_a_shard_that_lost_its_tail_after_the_manifest(one_worker: Path, tiny_model: Path,
+                                                                        tmp_path: Path,
+                                                                        capsys: pytest.CaptureFixture) -> None:
+    """Its size kept and its tail zeros, as some filesystems leave a file after a crash: Arrow reads the
+    zeros as the end of the stream, so only the count of its blocks tells."""
+    damaged, out = tmp_path / "damaged", tmp_path / "run"
+    shutil.copytree(one_worker, damaged)
+    entry = next(s for s in json.loads((damaged / fmt.MANIFEST).read_text())["shards"] if s["split"] == "train")
+    shard = damaged / entry["path"]
+    data = shard.read_bytes()
+    shard.write_bytes(data[:len(data) // 2] + bytes(len(data) - len(data) // 2))
+    line = refused(prepared_args(tiny_model, damaged, out), capsys, out)
+    assert line.startswith(f"mlm_ddp.train: error: {shard}: "), line
+    assert f"the manifest says {entry['blocks']} blocks in {entry['bytes']} bytes" in line, line
+    assert line.endswith("prepare it again"), line
 
 
 # --- a task killed mid-write ------------------------------------------------------------------------
@@ -362,7 +528,7 @@ def test_a_text_long_enough_to_take_gigabytes_is_named_and_still_prepared(tiny_m
                                                                            capsys: pytest.CaptureFixture) -> None:
     source = tmp_path / "long.txt"
     words = "the tokenizer holds every token of one text at once "
-    long_text = words * (prep.LONG_TEXT // len(words) + 1)
+    long_text = words * (LONG_TEXT // len(words) + 1)
     source.write_text(f"a short first text of a few words\n{long_text}\nand a short last one\n")
     assert prep.main(prepare_args(tiny_model, source, tmp_path / "out")) == 0
     warned = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]

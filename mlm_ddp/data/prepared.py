@@ -4,13 +4,19 @@ memory-maps instead of tokenizing (`--prepared_data DIR`).
 Layout of DIR:
 - `plan.json`: what is prepared, from what, split into which tasks; written first, the same for
   every task of the same command;
+- `rows/f00012.json`: the rows of input file 12, counted once by whichever task needed them first
+  (a task needs the rows of the files before its own: mlm_ddp.data.sources);
 - `parts/task-00001-of-00004/`: one task's Arrow files (`datasets`' own format, memory-mapped when
   read), one `train-f00012.arrow` (and `eval-f00012.arrow`) per input file, its `part.json`
-  (counts per file) and, last, its marker `COMPLETE`. A task writes into `parts/.tmp-...` and renames
-  the folder into place only when complete, so a part without its marker is never read;
-- `manifest.json`: written last, once every part is complete: the format version, the tokenizer's
-  fingerprint, the sequence length and packing mode, the counts, the source files, and the shards in
-  the order training reads them (input file by input file). Training reads a folder only through it.
+  (blocks, tokens and bytes per shard) and, last, its marker `COMPLETE`. A task writes into
+  `parts/.tmp-...`, flushes every file to the disk (fsync) before the marker, and renames the folder
+  into place only when complete (the rename flushed too), so a part without its marker is never read
+  and a part with it survives a crash whole;
+- `manifest.json`: written last, once every part is complete and every shard holds what its part
+  recorded: the format version, the tokenizer's fingerprint, the sequence length and packing mode,
+  the counts, the source files, and the shards in the order training reads them (input file by input
+  file), each with its blocks and bytes. Training reads a folder only through it, and checks every
+  shard's bytes and blocks (from the Arrow batches' headers: no token is read) before using it.
 """
 
 from __future__ import annotations
@@ -20,15 +26,17 @@ import json
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
 from datasets import Dataset, concatenate_datasets
 
 from mlm_ddp.config import DataConfig
 from mlm_ddp.errors import BadInput
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: chunks of a split's rows across its files, as the map-style path; shards checked
 MANIFEST = "manifest.json"
 PLAN = "plan.json"
 PARTS = "parts"
+ROWS = "rows"
 MARKER = "COMPLETE"
 PART_FILE = "part.json"
 SPLITS = ("train", "eval")
@@ -63,6 +71,27 @@ def part_complete(folder: Path, task: int, tasks: int) -> bool:
 
 def shard_name(split: str, file_index: int) -> str:
     return f"{split}-f{file_index:05d}.arrow"
+
+
+def open_shard(path: Path) -> Dataset:
+    return Dataset.from_file(str(path))  # memory-mapped: reads the batches' headers, not the tokens
+
+
+def shard_problem(path: Path, blocks: int, size: int) -> str | None:
+    """What differs between a shard and the `blocks` blocks in `size` bytes written to it, or None. A
+    shard cut short by a crash can keep its size (its tail zeros, which Arrow reads as the end of the
+    stream): its blocks are counted too."""
+    try:
+        found = path.stat().st_size
+    except FileNotFoundError:
+        return "missing"
+    if found != size:
+        return f"{found} bytes"
+    try:
+        rows = len(open_shard(path))
+    except (OSError, pa.ArrowException) as err:
+        return f"unreadable ({type(err).__name__}: {str(err)[:200]})"
+    return None if rows == blocks else f"{rows} blocks"
 
 
 def read_manifest(folder: Path) -> dict:
@@ -115,11 +144,12 @@ def open_shards(folder: Path, manifest: dict, split: str, keep_words: bool) -> D
     opened = []
     for shard in shards:
         path = folder / shard["path"]
-        if not path.is_file() or path.stat().st_size != shard["bytes"]:
-            found = f"{path.stat().st_size} bytes" if path.is_file() else "missing"
-            raise BadInput(f"{path}: {found}, the manifest says {shard['bytes']} bytes; the prepared folder was "
-                           "changed after it was written: prepare it again")
-        opened.append(Dataset.from_file(str(path)))
+        problem = shard_problem(path, shard["blocks"], shard["bytes"])
+        if problem is not None:
+            raise BadInput(f"{path}: {problem}, the manifest says {shard['blocks']} blocks in {shard['bytes']} bytes; "
+                           "the prepared folder was changed, or lost data in a crash, after it was written: prepare "
+                           "it again")
+        opened.append(open_shard(path))
     ds = opened[0] if len(opened) == 1 else concatenate_datasets(opened)
     if manifest["word_continues"] and not keep_words:
         ds = ds.remove_columns("word_continues")
