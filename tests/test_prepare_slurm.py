@@ -25,8 +25,9 @@ PART0, PART1 = "parts/task-00000-of-00002", "parts/task-00001-of-00002"
 @pytest.fixture(scope="module")
 def texts(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Four .txt files of unequal sizes (2300, 700, 250 and 80 lines, about 0.75 MB in all): the first
-    spans three chunks of 1000 texts, and its bytes are about those of the three others together, so
-    balancing by bytes gives each of two tasks a share."""
+    spans three chunks of 1000 rows, its last one running on through the whole second file, and the
+    fourth chunk spans the last two files; the first file's bytes are about those of the three others
+    together, so balancing by bytes gives each of two tasks a share."""
     paragraphs = corpus_paragraphs()
     root = tmp_path_factory.mktemp("prepare_texts")
     # more lines than the corpus has paragraphs: they repeat, shifted, so no two chunks are alike
@@ -109,12 +110,15 @@ def test_two_array_tasks_give_the_blocks_of_one_local_prepare(array: dict, local
     assert (out / "manifest.json").is_file()
     assert blocks(out) == local["blocks"]
     assert shard_counts(out) == local["counts"]
-    # the work was split: each task packed its own input files, together all of them, each once
+    # the work was split: each task read its own input files, together all of them, each once, and
+    # wrote the shards of the chunks that begin in them (a chunk that begins in the first file ends in
+    # the second, which begins none): both tasks packed some
     files = [{r["file"] for r in json.loads((out / part / "part.json").read_text())["files"]}
              for part in (PART0, PART1)]
     assert files[0] and files[1] and not files[0] & files[1] and files[0] | files[1] == {0, 1, 2, 3}, files
     for part, mine in zip((PART0, PART1), files, strict=True):
-        assert {int(p.stem[-5:]) for p in (out / part).glob("*.arrow")} == mine
+        packed = {int(p.stem[-5:]) for p in (out / part).glob("*.arrow")}
+        assert packed and packed <= mine, (packed, mine)
 
 
 def test_nodes_2_through_submitit_gives_the_blocks_of_one_local_prepare(
