@@ -387,9 +387,10 @@ class RunConfig:
         default=None,
     )
     on_nonfinite_loss: Literal["stop", "skip"] = _doc(
-        "A step whose gradients are NaN or inf: 'stop' the run (exit 3, naming the last good "
-        "checkpoint) or 'skip' that optimizer step (counted). fp16 overflow steps are the grad "
-        "scaler's business and never count.",
+        "A step whose loss or gradients are NaN or inf: 'stop' the run (exit 3, naming the last good "
+        "checkpoint) or 'skip' that optimizer step (counted; 10 in a row stop the run, and so does a run "
+        "that took no update). fp16 overflows (every rank's loss finite) are the gradient scaler's business: "
+        "counted apart, and fatal only once its scale falls below 1.",
         default="stop",
     )
     peak_tflops: float | None = _doc(

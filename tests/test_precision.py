@@ -1,10 +1,13 @@
 """Mixed precision (issue 29): what `auto` picks on which device and why, the launcher's precision
-honoured or refused, the fp16 gradient scaler's skips told from non-finite losses, and FSDP2's policy.
+honoured or refused, and FSDP2's policy. Skipped updates (issue 36), for every precision and AdamW
+implementation: fp16 overflows counted, non-finite losses stopped at or counted, a run that no longer
+trains never ending as done.
 The real bf16 runs on two CPU processes (DDP and FSDP) are in test_fsdp.py, beside the fp32 runs they
 are measured against."""
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -13,7 +16,9 @@ import torch
 
 from mlm_ddp import distributed
 from mlm_ddp.distributed import Hardware, choose_precision
-from mlm_ddp.errors import BadInput
+from mlm_ddp.errors import BadInput, NonFiniteLoss
+from mlm_ddp.spikes import LossSpikes
+from mlm_ddp.step import NONFINITE_IN_A_ROW, SkippedSteps, settle_step, train_step
 from tests.conftest import run_module, tiny_args
 from tests.test_topology import CONFIGS, LAUNCH
 
@@ -156,50 +161,133 @@ def test_the_mfu_peak_multiplies_operands_already_in_the_training_dtype(monkeypa
     assert seen and set(seen) == {(torch.bfloat16, torch.bfloat16)}
 
 
-# --- the fp16 guard -------------------------------------------------------------------------------
-# fp16 needs CUDA, which this suite does not have. The decision in step.train_step is tested with the
-# real torch.amp.GradScaler on the CPU, given to the Accelerator where accelerate would give a CUDA one
-# (the only thing faked): the scaler's own unscale/skip/lower-the-scale logic runs as on a GPU.
+# --- skipped updates, decided from the step's own numbers (issue 36) --------------------------------------
+# fp16 needs CUDA, which this suite does not have. step.train_step runs here with torch's real
+# torch.amp.GradScaler and a real fp16 autocast on the CPU: the Accelerator is given what accelerate gives it
+# on a CUDA device (its scaler and native_amp: the only thing faked), so accelerate unscales the gradients
+# for clipping and steps through the scaler as on a GPU. With a fused AdamW, GradScaler.step calls
+# optimizer.step whatever the gradients hold and the kernel skips on the device (found_inf), so accelerate's
+# step_was_skipped stays False: before issue 36 such a step counted as taken (fp16 NaNs never stopped a run).
+
+IMPLS = ["fused", "foreach", "for-loop"]
 
 
-def scaled_step(loss_factor: float):
+def skipped_steps(mode: str, accelerator) -> SkippedSteps:
+    return SkippedSteps(mode, accelerator, LossSpikes("off", 2.0, 100), lambda: None)
+
+
+def one_step(precision: str, impl: str, loss_factor: float, init_scale: float = 2.0**8):
+    """One train_step of a tiny BERT with the real optimizer mlm_ddp builds (--optimizer_impl `impl`), its
+    loss multiplied by `loss_factor`; (the step judged as the loop judges it: None if its update was taken,
+    else the skipped StepResult; whether any weight changed; the accelerator)."""
     from accelerate import Accelerator
     from transformers import BertConfig, BertForMaskedLM
 
-    from mlm_ddp.model import MaskedLMLoss
-    from mlm_ddp.step import train_step
+    from mlm_ddp.config import TrainingConfig
+    from mlm_ddp.model import MaskedLMLoss, build_optimizer
 
     torch.manual_seed(0)
     config = BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
                         intermediate_size=32, max_position_embeddings=16)
-    accelerator = Accelerator(cpu=True)
-    accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)  # the boundary: see above
+    accelerator = Accelerator(cpu=True, mixed_precision=precision)
+    if precision == "fp16":  # what accelerate sets on a CUDA device (see above)
+        accelerator.native_amp, accelerator.scaler = True, torch.amp.GradScaler("cpu", init_scale=init_scale)
     model = MaskedLMLoss(BertForMaskedLM(config))
-    model, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters()))
+    optimizer = build_optimizer(model, TrainingConfig(optimizer_impl=impl, learning_rate=1e-3))
+    model, optimizer = accelerator.prepare(model, optimizer)
     before = [p.detach().clone() for p in model.parameters()]
     labels = torch.full((2, 8), -100)
     labels[:, 2] = 7
     window = [{"input_ids": torch.randint(5, 50, (2, 8)), "attention_mask": torch.ones(2, 8, dtype=torch.long),
                "labels": labels}]
-    result = train_step(accelerator, model, optimizer, window, torch.tensor(2.0, dtype=torch.float64), None,
+    result = train_step(accelerator, model, optimizer, window, torch.tensor(2.0, dtype=torch.float64), 1.0,
                         loss_factors=[loss_factor])
     changed = any(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
-    return result, changed, accelerator.scaler.get_scale()
+    if isinstance(result.stepped, torch.Tensor):  # read as train.fit reads it (the next step's all-reduce)
+        judged = settle_step(accelerator, result)
+    else:
+        judged = None if result.stepped else result
+    return judged, changed, accelerator
 
 
-def test_fp16_a_finite_loss_whose_scaled_gradients_overflow_is_the_scalers_business() -> None:
-    # x 1e36 keeps the loss finite in fp32 (about 4e36) but its gradient, scaled by 2^16, overflows
-    result, changed, scale = scaled_step(1e36)
-    assert math.isfinite(float(result.loss_sum))
-    assert (result.stepped, result.overflow, changed, scale) == (False, True, False, 2.0**15)
+@pytest.mark.parametrize("mode", ["stop", "skip"])
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("precision", ["fp16", "bf16", "no"])
+def test_a_nan_loss_skips_the_update_then_stops_or_is_counted(precision: str, impl: str, mode: str) -> None:
+    judged, changed, accelerator = one_step(precision, impl, math.nan)
+    assert judged is not None and not judged.overflow and not changed
+    skips = skipped_steps(mode, accelerator)
+    if mode == "stop":
+        with pytest.raises(NonFiniteLoss, match="step 1: the gradient norm is nan"):
+            skips(0, judged)
+    else:
+        skips(0, judged)
+        assert skips.reported() == {"nonfinite": 1, "overflow": 0}
+    if precision == "fp16":
+        assert accelerator.scaler.get_scale() == 2.0**7  # the scaler skipped it too, and lowered its scale
 
 
-def test_fp16_a_nan_loss_is_not_an_overflow_and_reaches_on_nonfinite_loss() -> None:
-    result, changed, scale = scaled_step(math.nan)
-    assert (result.stepped, result.overflow, changed) == (False, False, False)
-    assert scale == 2.0**15  # the scaler skipped it too; train.on_skipped then stops or counts it
+@pytest.mark.parametrize("mode", ["stop", "skip"])
+@pytest.mark.parametrize("impl", IMPLS)
+def test_fp16_an_overflow_is_counted_and_never_stops_the_run(impl: str, mode: str,
+                                                             caplog: pytest.LogCaptureFixture) -> None:
+    # x 1e36 keeps the loss finite in fp32 (about 8e36) but its fp16 gradients are inf at any scale
+    judged, changed, accelerator = one_step("fp16", impl, 1e36)
+    assert judged is not None and judged.overflow and math.isfinite(float(judged.loss_sum)) and not changed
+    skips = skipped_steps(mode, accelerator)
+    with caplog.at_level("INFO"):
+        skips(0, judged)
+        skips.summary(0, 2)  # the run's second step took its update
+    assert skips.reported() == {"nonfinite": 0, "overflow": 1}
+    assert "step 1: the fp16 gradients overflowed; the gradient scaler skipped the update and lowered its scale " \
+           "to 128 (1 so far)" in caplog.text
+    assert "1 fp16 overflow(s): the gradient scaler skipped those updates" in caplog.text
 
 
-def test_fp16_a_normal_step_updates() -> None:
-    result, changed, scale = scaled_step(1.0)
-    assert (result.stepped, result.overflow, changed, scale) == (True, False, True, 2.0**16)
+@pytest.mark.parametrize("impl", IMPLS)
+def test_fp16_a_normal_step_updates(impl: str) -> None:
+    judged, changed, accelerator = one_step("fp16", impl, 1.0)
+    assert (judged, changed, accelerator.scaler.get_scale()) == (None, True, 2.0**8)
+
+
+def test_fp16_overflows_that_take_the_scale_below_one_stop_the_run() -> None:
+    """At scale 1 the gradients overflow fp16 at their true size: no scale can make the next step fit."""
+    judged, _, accelerator = one_step("fp16", "fused", 1e36, init_scale=1.0)
+    with pytest.raises(NonFiniteLoss, match="step 1: the fp16 gradients overflowed 1 step.s. in a row and the loss "
+                                            "scale fell to 0.5"):
+        skipped_steps("skip", accelerator)(0, judged)
+
+
+def test_skip_stops_a_run_whose_loss_stays_nonfinite() -> None:
+    judged, _, accelerator = one_step("no", "fused", math.nan)
+    skips = skipped_steps("skip", accelerator)
+    for step in [0, 1, 2, *range(4, 4 + NONFINITE_IN_A_ROW - 1)]:  # step 3 took its update
+        skips(step, judged)
+    with pytest.raises(NonFiniteLoss, match=f"NaN/inf {NONFINITE_IN_A_ROW} steps in a row"):
+        skips(4 + NONFINITE_IN_A_ROW - 1, judged)
+    # a run none of whose updates was taken ends as no success, however short
+    short = skipped_steps("skip", accelerator)
+    for step in (5, 6):  # resumed after step 5
+        short(step, judged)
+    with pytest.raises(NonFiniteLoss, match="step 7: not one of this run's 2 update"):
+        short.summary(5, 7)
+    short.summary(4, 7)  # step 5 took its update: counted, not fatal
+
+
+def test_a_nan_step_under_the_default_fused_adamw_is_skipped_and_reported_or_stops(
+        tiny_model: Path, corpus: dict, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The whole loop: the skip stays on the device and comes back with the next step's all-reduce."""
+    from mlm_ddp.config import parse_args
+    from mlm_ddp.train import Hooks, train
+    from tests.fault_driver import OneSpike
+
+    args = ["--max_train_steps", "4", "--report", "false"]
+    with caplog.at_level("INFO"):
+        result = train(parse_args(tiny_args(tiny_model, corpus, tmp_path / "skip", *args,
+                                            "--on_nonfinite_loss", "skip")), Hooks(loss_factor=OneSpike("3:nan")))
+    assert result.steps == 4 and result.skipped_steps == {"nonfinite": 1, "overflow": 0}
+    assert json.loads((tmp_path / "skip" / "summary.json").read_text())["skipped_steps"] == result.skipped_steps
+    assert "step 3: gradient norm nan, optimizer step skipped (1 so far)" in caplog.text
+    with pytest.raises(NonFiniteLoss, match="step 3: the gradient norm is nan"):
+        train(parse_args(tiny_args(tiny_model, corpus, tmp_path / "stop", *args)), Hooks(loss_factor=OneSpike("3:nan")))
+    assert not (tmp_path / "stop" / "final").exists()

@@ -203,7 +203,11 @@ def test_nonfinite_gradients_stop_and_name_the_last_good_checkpoint(tiny_model: 
     assert not (out / "final").exists()
 
 
-def test_nonfinite_gradients_can_be_skipped(tiny_model: Path, corpus: dict, tmp_path: Path) -> None:
+def test_skipping_nonfinite_gradients_never_ends_a_run_that_took_no_update_as_done(tiny_model: Path, corpus: dict,
+                                                                                    tmp_path: Path, capsys) -> None:
+    """A NaN weight makes every step's loss NaN: 'skip' skips each update, and a run none of whose updates
+    was taken ends with exit 3, not "done" (issue 36). A NaN step now and then is skipped and counted:
+    test_precision.py."""
     broken = tmp_path / "nan_model"
     shutil.copytree(tiny_model, broken)
     weights = load_file(broken / "model.safetensors")
@@ -211,11 +215,14 @@ def test_nonfinite_gradients_can_be_skipped(tiny_model: Path, corpus: dict, tmp_
     weights[name][0, 0] = float("nan")
     save_file(weights, broken / "model.safetensors", metadata={"format": "pt"})
     out = tmp_path / "run"
-    code = main(tiny_args(broken, corpus, out, "--max_train_steps", "3", "--on_nonfinite_loss", "skip"))
-    assert code == 0
-    after = load_file(out / "final" / "model.safetensors")
-    # no optimizer step was taken: the weights are those loaded
-    assert torch.equal(torch.nan_to_num(after[name]), torch.nan_to_num(weights[name]))
+    code = main(tiny_args(broken, corpus, out, "--max_train_steps", "3", "--on_nonfinite_loss", "skip",
+                          "--checkpointing_steps", "2"))
+    assert code == EXIT_NONFINITE
+    assert "step 3: not one of this run's 3 update(s) was taken" in capsys.readouterr().err
+    assert not (out / "final").exists()
+    # no optimizer step was taken: the weights saved at step 2 are those loaded
+    saved = load_file(out / "checkpoints" / "step-0000002" / "model.safetensors")
+    assert torch.equal(torch.nan_to_num(saved["model." + name]), torch.nan_to_num(weights[name]))
 
 
 # --- a full disk -----------------------------------------------------------------------------------
