@@ -293,8 +293,8 @@ def finalize(folder: Path, plan: dict[str, Any]) -> dict[str, Any] | None:
 def check_shard(folder: Path, path: Path, record: dict[str, int], part: str) -> None:
     """A shard holds what its task wrote before it marked its part complete, or that part is set aside
     (renamed to a temporary name, never read, redone by the next run of its task) and a line says so."""
-    problem = fmt.shard_problem(path, record["blocks"], record["bytes"])
-    if problem is None:
+    ds, problem = fmt.open_shard(path, record["blocks"], record["bytes"])
+    if ds is not None:
         return
     with contextlib.suppress(OSError):  # another last task may have set it aside already
         os.rename(folder / fmt.PARTS / part, folder / fmt.PARTS / f".tmp-{part}.damaged")

@@ -73,25 +73,21 @@ def shard_name(split: str, file_index: int) -> str:
     return f"{split}-f{file_index:05d}.arrow"
 
 
-def open_shard(path: Path) -> Dataset:
-    return Dataset.from_file(str(path))  # memory-mapped: reads the batches' headers, not the tokens
-
-
-def shard_problem(path: Path, blocks: int, size: int) -> str | None:
-    """What differs between a shard and the `blocks` blocks in `size` bytes written to it, or None. A
-    shard cut short by a crash can keep its size (its tail zeros, which Arrow reads as the end of the
-    stream): its blocks are counted too."""
+def open_shard(path: Path, blocks: int, size: int) -> tuple[Dataset | None, str | None]:
+    """(the shard memory-mapped, None), or (None, what differs from the `blocks` blocks in `size` bytes
+    written to it). A shard cut short by a crash can keep its size (its tail zeros, which Arrow reads as
+    the end of the stream): its blocks are counted too, from the batches' headers (no token is read)."""
     try:
         found = path.stat().st_size
     except FileNotFoundError:
-        return "missing"
+        return None, "missing"
     if found != size:
-        return f"{found} bytes"
+        return None, f"{found} bytes"
     try:
-        rows = len(open_shard(path))
+        ds = Dataset.from_file(str(path))
     except (OSError, pa.ArrowException) as err:
-        return f"unreadable ({type(err).__name__}: {str(err)[:200]})"
-    return None if rows == blocks else f"{rows} blocks"
+        return None, f"unreadable ({type(err).__name__}: {str(err)[:200]})"
+    return (ds, None) if len(ds) == blocks else (None, f"{len(ds)} blocks")
 
 
 def read_manifest(folder: Path) -> dict:
@@ -144,12 +140,12 @@ def open_shards(folder: Path, manifest: dict, split: str, keep_words: bool) -> D
     opened = []
     for shard in shards:
         path = folder / shard["path"]
-        problem = shard_problem(path, shard["blocks"], shard["bytes"])
-        if problem is not None:
+        ds, problem = open_shard(path, shard["blocks"], shard["bytes"])
+        if ds is None:
             raise BadInput(f"{path}: {problem}, the manifest says {shard['blocks']} blocks in {shard['bytes']} bytes; "
                            "the prepared folder was changed, or lost data in a crash, after it was written: prepare "
                            "it again")
-        opened.append(open_shard(path))
+        opened.append(ds)
     ds = opened[0] if len(opened) == 1 else concatenate_datasets(opened)
     if manifest["word_continues"] and not keep_words:
         ds = ds.remove_columns("word_continues")
