@@ -199,8 +199,8 @@ def write_file(workers: Workers, folder: Path, plan: dict[str, Any], index: int,
     if seen.texts == 0:
         raise BadInput(f"{file['path']}: holds no texts (every line or {settings['text_column']!r} value is blank)")
     if known.setdefault(index, seen.rows) != seen.rows:
-        raise BadInput(f"{file['path']}: {seen.rows} rows read, {known[index]} counted before: the file changed while "
-                       "it was prepared; run the same command again once it is final")
+        raise BadInput(f"{file['path']}: {seen.rows} rows read, {known[index]} counted before: the file changed "
+                       "since this prepare began; pass --overwrite_output_dir to start over once it is final")
     return counts
 
 
