@@ -5,8 +5,11 @@ cadence (--eval_steps, and the last step) is the evaluator's own: the loop calls
 
 from __future__ import annotations
 
+import collections
+import functools
+import itertools
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -34,24 +37,52 @@ def masked_lm_metrics(loss_sum: float, masked: int, correct: int) -> dict[str, f
             "accuracy": correct / masked, "num_tokens": masked}
 
 
-def padded(batches: list[Batch], total: int) -> Iterator[Batch]:
-    """`batches`, then idle batches up to `total`: one token with nothing to predict, (1, 1), which
-    adds 0 to every eval sum."""
-    yield from batches
-    for _ in range(total - len(batches)):
-        yield {"input_ids": torch.zeros(1, 1, dtype=torch.long), "attention_mask": torch.ones(1, 1, dtype=torch.long),
-               "labels": torch.full((1, 1), IGNORE_INDEX)}
+# FSDP: evaluation batches each rank reads ahead of its forwards, and so the most it holds at once (plus
+# the one in the forward). Each round of this many costs one all-reduce and one host sync.
+EVAL_LOOKAHEAD = 4
+
+
+def idle_batch(device: torch.device) -> Batch:
+    """One token with nothing to predict, (1, 1), which adds 0 to every eval sum; made on `device` (no copy
+    from the host), with the loss layout `positions.loss_layout` gives it (the model would compute that on
+    the device, reading counts back)."""
+    zeros = torch.zeros((1, 1), dtype=torch.long, device=device)
+    none = torch.zeros(0, dtype=torch.long, device=device)  # no position carries a loss
+    return {"input_ids": zeros, "attention_mask": torch.ones_like(zeros),
+            "labels": torch.full_like(zeros, IGNORE_INDEX), "loss_positions": none, "loss_order": zeros,
+            "loss_slots": none}
+
+
+def lockstep(batches: Iterator[Batch], most: Callable[[int], int],
+             ahead: int = EVAL_LOOKAHEAD) -> Iterator[Batch | None]:
+    """`batches` read `ahead` at a time, and None for an idle forward, so that every rank runs the same
+    number of forwards (under FSDP each forward gathers parameters from every rank). Each round, every
+    rank reads up to `ahead` batches, and `most` (the maximum over ranks: a collective) says how many
+    forwards all of them run; a round in which no rank filled `ahead` was the last. A rank holds at most
+    `ahead` batches it has read (an eval set's length is not needed: a stream has none)."""
+    while True:
+        chunk = collections.deque(itertools.islice(batches, ahead))
+        forwards = most(len(chunk))
+        for _ in range(forwards):
+            yield chunk.popleft() if chunk else None
+        if forwards < ahead:
+            return
+
+
+def most_over_ranks(accelerator: Accelerator, count: int) -> int:
+    """The largest `count` of any rank (an all-reduce, read back: a host sync)."""
+    return int(accelerator.reduce(torch.full((1,), count, device=accelerator.device), reduction="max").item())
 
 
 def eval_batches(loader: DataLoader, accelerator: Accelerator) -> Iterator[Batch]:
-    """This rank's eval batches on its device; under FSDP padded to the same count on every rank."""
+    """This rank's eval batches on its device, read as they are used; under FSDP in `lockstep`, padded
+    with idle batches to the same count on every rank."""
     if not sharded(accelerator):
         yield from (mdata.to_device(batch, accelerator.device) for batch in loader)
         return
-    batches = list(loader)  # an eval set is small; a stream has no len() to compare across ranks
-    count = torch.tensor(len(batches), device=accelerator.device)
-    for batch in padded(batches, int(accelerator.reduce(count, reduction="max"))):
-        yield mdata.to_device(batch, accelerator.device)
+    idle = idle_batch(accelerator.device)
+    for batch in lockstep(iter(loader), functools.partial(most_over_ranks, accelerator)):
+        yield idle if batch is None else mdata.to_device(batch, accelerator.device)
 
 
 def evaluate_mlm(model: torch.nn.Module, loader: DataLoader | None,

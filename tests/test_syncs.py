@@ -3,11 +3,14 @@ operations that would sync on a CUDA device. A torch dispatch mode sees every at
 loop (`train.fit`, forward and backward included): scalar reads (`.item()`, `int()`, `bool()`:
 aten._local_scalar_dense, is_nonzero), data-dependent shapes (nonzero, masked_select, indexing or
 index_put with a boolean mask); `.tolist()`, which a dispatch mode does not see on a CPU, is counted by
-wrapping it. The collator's work (masking.py, positions.py, the data package) is left out: on a GPU run it runs on
-the host, before the batch is copied to the device. The heartbeat says which step each count belongs to.
+a TorchFunctionMode. The collator's work (masking.py, positions.py, the data package) is left out: on a GPU
+run it runs on the host, before the batch is copied to the device. The heartbeat says which step each count belongs to.
 
 Issue 30's budget: one sync per optimizer step on the steps that neither log, evaluate nor save (the
 all-reduce of the step's masked tokens and stop votes, read once). Before the budget was built: 16.
+Tensors made on the device from Python data (`torch.tensor(n, device=...)`) are copies from pageable
+host memory that wait for the device, which a dispatch mode cannot see: a TorchFunctionMode counts them
+(issue 36: none per step, none per evaluation batch).
 The GPU suite (tests/gpu) checks the same with torch.cuda.set_sync_debug_mode."""
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import mlm_ddp.train
@@ -53,41 +57,88 @@ class CountSyncs(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_the_hot_loop_syncs_once_per_optimizer_step(tiny_model: Path, corpus: dict, tmp_path: Path,
-                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+class CountCopies(TorchFunctionMode):
+    """Tensors made from Python data (torch.tensor, as_tensor, new_tensor of a list or a number) outside the
+    host side, into `copies`: on a GPU each is a copy from pageable host memory that waits for the device
+    (DESIGN.md, pitfall 15), which the dispatch mode cannot see. And `.tolist()`, into `syncs`: a dispatch
+    mode does not see it on a CPU."""
+
+    FROM_DATA = (torch.tensor, torch.as_tensor, torch.Tensor.new_tensor)
+
+    def __init__(self, copies: list[str], syncs: list[str]) -> None:
+        super().__init__()
+        self.copies, self.syncs = copies, syncs
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if not place().startswith(HOST_SIDE):
+            data = args[1] if func is torch.Tensor.new_tensor else args[0] if args else None
+            if func in self.FROM_DATA and not isinstance(data, torch.Tensor):
+                self.copies.append(f"{func.__name__} {place()}")
+            elif func is torch.Tensor.tolist:
+                self.syncs.append(f"tolist {place()}")
+        return func(*args, **(kwargs or {}))
+
+
+STEPS = 8
+
+
+@pytest.fixture(scope="module")
+def counted(tiny_model: Path, corpus: dict, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """One run of STEPS steps (accumulation 2) with every sync and every copy of Python data counted, and
+    the heartbeat's (step, phase) at each: {"syncs": [...], "copies": [...]}, each entry (beat, what)."""
     from mlm_ddp.train import Hooks
 
-    seen: list[str] = []
-    first: dict[int, int] = {}  # step -> syncs counted when the loop entered it
+    beat_now: list[tuple[int, str]] = [(0, "start")]
+    seen: dict[str, list] = {"syncs": [], "copies": []}
 
-    def at(beat) -> None:
-        first.setdefault(beat.step, len(seen))
+    class Stamped(list):
+        def __init__(self, kind: str) -> None:
+            super().__init__()
+            self.kind = kind
 
-    tolist = torch.Tensor.tolist
+        def append(self, what: str) -> None:
+            seen[self.kind].append((beat_now[-1], what))
 
-    def counting_tolist(self: torch.Tensor) -> list:
-        if not place().startswith(HOST_SIDE):
-            seen.append(f"tolist {place()}")
-        return tolist(self)
-
+    syncs, copies = Stamped("syncs"), Stamped("copies")
     fit = mlm_ddp.train.fit
 
     def counted_fit(*args, **kwargs):
-        monkeypatch.setattr(torch.Tensor, "tolist", counting_tolist)
-        try:
-            with CountSyncs(seen):
-                return fit(*args, **kwargs)
-        finally:
-            monkeypatch.setattr(torch.Tensor, "tolist", tolist)
+        with CountSyncs(syncs), CountCopies(copies, syncs):
+            return fit(*args, **kwargs)
 
-    monkeypatch.setattr(mlm_ddp.train, "fit", counted_fit)
-    steps = 8
-    mlm_ddp.train.train(parse_args(tiny_args(tiny_model, corpus, tmp_path, "--max_train_steps", str(steps),
-                                             "--gradient_accumulation_steps", "2", "--logging_steps", "1000",
-                                             "--report", "false")), Hooks(on_beat=at))
-    # steps 2 .. steps-1: neither the first (the evaluation before training) nor the last (log, eval, save)
-    per_step = {step: seen[first[step]:first[step + 1]] for step in range(2, steps)}
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(mlm_ddp.train, "fit", counted_fit)
+        mlm_ddp.train.train(parse_args(tiny_args(
+            tiny_model, corpus, tmp_path_factory.mktemp("syncs"), "--max_train_steps", str(STEPS),
+            "--gradient_accumulation_steps", "2", "--logging_steps", "1000", "--report", "false")),
+            Hooks(on_beat=lambda beat: beat_now.append((beat.step, beat.phase))))
+    return seen
+
+
+def per_step(entries: list[tuple[tuple[int, str], str]]) -> dict[int, list[str]]:
+    """Steps 2 .. STEPS-1 (neither the first, after the evaluation before training, nor the last, which
+    logs, evaluates and saves) -> what was counted in it."""
+    return {step: [what for (at, _), what in entries if at == step] for step in range(2, STEPS)}
+
+
+def test_the_hot_loop_syncs_once_per_optimizer_step(counted: dict) -> None:
+    steps = per_step(counted["syncs"])
     print("syncs per optimizer step (accumulation 2): "
-          + "; ".join(f"step {s}: {len(v)} ({', '.join(sorted(set(v)))})" for s, v in per_step.items()))
-    assert all(per_step.values()), "nothing counted: the dispatch mode saw no step"
-    assert max(len(v) for v in per_step.values()) <= SYNC_BUDGET
+          + "; ".join(f"step {s}: {len(v)} ({', '.join(sorted(set(v)))})" for s, v in steps.items()))
+    assert any(what.startswith("tolist step.py") for what in steps[2]), "nothing counted: the modes saw no step"
+    assert max(len(v) for v in steps.values()) <= SYNC_BUDGET
+
+
+def test_no_step_and_no_evaluation_batch_copies_python_data_to_the_device(counted: dict) -> None:
+    """Before issue 36: the loss sums' count, once per micro-batch and per evaluation batch
+    (model.loss_sums), and the stop votes, once per step (step.agree_on_step)."""
+    steps = per_step(counted["copies"])
+    evaluation = [what for (_, phase), what in counted["copies"] if phase == "eval"]
+    print(f"copies of Python data: per step {[len(v) for v in steps.values()]}, in the evaluations {len(evaluation)}")
+    assert all(not v for v in steps.values()), steps
+    assert not evaluation, evaluation
+    # the mode does see them: a copy made in the step counts
+    seen: list[str] = []
+    with CountCopies(seen, []):
+        torch.tensor(3, device="cpu")
+    assert len(seen) == 1
