@@ -16,7 +16,7 @@ import torch
 
 from mlm_ddp import distributed
 from mlm_ddp.distributed import Hardware, choose_precision
-from mlm_ddp.errors import BadInput, NonFiniteLoss
+from mlm_ddp.errors import EXIT_NONFINITE, BadInput, NonFiniteLoss
 from mlm_ddp.spikes import LossSpikes
 from mlm_ddp.step import NONFINITE_IN_A_ROW, SkippedSteps, settle_step, train_step
 from tests.conftest import run_module, tiny_args
@@ -291,3 +291,29 @@ def test_a_nan_step_under_the_default_fused_adamw_is_skipped_and_reported_or_sto
     with pytest.raises(NonFiniteLoss, match="step 3: the gradient norm is nan"):
         train(parse_args(tiny_args(tiny_model, corpus, tmp_path / "stop", *args)), Hooks(loss_factor=OneSpike("3:nan")))
     assert not (tmp_path / "stop" / "final").exists()
+
+
+@pytest.mark.parametrize("mode", ["skip", "stop"])
+def test_fsdp_a_nan_step_is_skipped_and_counted_or_stops_on_every_rank(mode: str, tiny_model: Path, corpus: dict,
+                                                                      tmp_path: Path) -> None:
+    """FSDP2 on two CPU processes: the gradients are DTensor shards, the norm clipping computes is the whole
+    one, so every rank takes the same decision (a rank that stepped alone would leave its shard behind, and
+    the ranks' collectives would part: 'skip' would not finish)."""
+    from tests.conftest import run_module
+    from tests.test_fsdp import FSDP_ENV, launch
+
+    out = tmp_path / mode
+    proc = run_module(launch("fsdp.yaml", tiny_model, corpus, out, "--max_train_steps", "4", "--on_nonfinite_loss",
+                             mode, module=("tests.fault_driver", "--spike", "3:nan")), env=FSDP_ENV)
+    if mode == "skip":
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert "step 3: gradient norm nan, optimizer step skipped (1 so far)" in proc.stderr
+        summary = json.loads((out / "summary.json").read_text())
+        assert summary["steps"] == 4 and summary["skipped_steps"] == {"nonfinite": 1, "overflow": 0}
+    else:
+        # the launcher exits 1 when a process fails; the processes' own code is in its report
+        assert proc.returncode != 0 and f"exitcode  : {EXIT_NONFINITE}" in proc.stderr, proc.stderr[-3000:]
+        lines = [line for line in proc.stderr.splitlines() if line.startswith("mlm_ddp.train: error: step 3: ")]
+        # the first rank to exit 3 has the launcher end the other: one line or two, naming the same step
+        assert lines and all("the gradient norm is nan" in line for line in lines), proc.stderr[-3000:]
+        assert not (out / "final").exists()
