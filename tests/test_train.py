@@ -250,14 +250,17 @@ def test_fsdp_eval_padding_adds_nothing_to_the_sums(tiny_model: Path) -> None:
     import torch
     from transformers import AutoModelForMaskedLM
 
-    from mlm_ddp.evaluation import padded
+    from mlm_ddp.evaluation import idle_batch
     from mlm_ddp.model import MaskedLMLoss
+    from mlm_ddp.positions import KEYS, loss_layout
 
     model = MaskedLMLoss(AutoModelForMaskedLM.from_pretrained(tiny_model)).eval()
     real = {"input_ids": torch.tensor([[2, 40, 50, 3]]), "attention_mask": torch.ones(1, 4, dtype=torch.long),
             "labels": torch.tensor([[-100, 40, -100, -100]])}
-    batches = list(padded([real], 3))
-    assert len(batches) == 3 and batches[0] is real
+    idle = idle_batch(torch.device("cpu"))
+    layout = loss_layout(idle["labels"] != -100)  # what the model would compute without it
+    assert all(torch.equal(idle[key], layout[key]) for key in KEYS)
+    batches = [real, idle, idle]
     with torch.no_grad():
         sums = [torch.stack([t.double() for t in model(**b)]) for b in batches]
     assert sums[0][1] == 1 and sums[1].tolist() == sums[2].tolist() == [0.0, 0.0, 0.0]
