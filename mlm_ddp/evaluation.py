@@ -85,9 +85,10 @@ def eval_batches(loader: DataLoader, accelerator: Accelerator) -> Iterator[Batch
         yield idle if batch is None else mdata.to_device(batch, accelerator.device)
 
 
-def evaluate_mlm(model: torch.nn.Module, loader: DataLoader | None,
-                 accelerator: Accelerator) -> dict[str, float] | None:
-    """Per-token eval loss, perplexity and accuracy: sums reduced across ranks, then divided."""
+def evaluate_mlm(model: torch.nn.Module, loader: DataLoader | None, accelerator: Accelerator,
+                 reducing: Callable[[], None] | None = None) -> dict[str, float] | None:
+    """Per-token eval loss, perplexity and accuracy: sums reduced across ranks, then divided. `reducing`
+    is called as this rank enters that reduce (the heartbeat: the watchdog watches the wait there)."""
     if loader is None:
         return None
     # DDP: the plain module, so ranks with different numbers of eval batches run no collectives.
@@ -102,6 +103,8 @@ def evaluate_mlm(model: torch.nn.Module, loader: DataLoader | None,
             loss_sum, masked, correct = net(**batch)
             sums += torch.stack([check_loss_sum(loss_sum).double(), masked.double(), correct.double()])
     net.train(was_training)
+    if reducing is not None:
+        reducing()
     loss_sum, masked, correct = accelerator.reduce(sums, reduction="sum").tolist()
     if masked == 0:
         return None
@@ -125,7 +128,7 @@ class Evaluator:
         if resumed:
             self.first = log.first_eval()
             return
-        self.first = evaluate_mlm(self.model, self.loader, self.accelerator)
+        self.first = self.evaluate(step)
         if self.first:
             logger.info("eval before training: loss %.4f, perplexity %.2f, accuracy %.3f",
                         self.first["loss"], self.first["perplexity"], self.first["accuracy"])
@@ -137,11 +140,20 @@ class Evaluator:
         if step != self.total_steps and not (self.every and step % self.every == 0):
             return {}
         with clock.paused():  # evaluation is not training time
-            self.last = evaluate_mlm(self.model, self.loader, self.accelerator)
+            self.last = self.evaluate(step)
         if not self.last:
             return {}
         logger.info("step %d: eval loss %.4f, perplexity %.2f", step, self.last["loss"], self.last["perplexity"])
         return {"step": step, "epoch": round(epoch, 4), **record_fields(self.last)}
+
+
+    def evaluate(self, step: int) -> dict[str, float] | None:
+        """`evaluate_mlm`, with the heartbeat's collectives: under FSDP every forward is one (all of the
+        evaluation may wait on the peers); otherwise only the final reduce, after a long local phase."""
+        if self.loader is not None and sharded(self.accelerator):
+            self.beat(step, "eval", "evaluation's forwards (FSDP gathers the parameters)")
+        return evaluate_mlm(self.model, self.loader, self.accelerator,
+                            functools.partial(self.beat, step, "eval", "the all-reduce of the evaluation sums"))
 
 
 def record_fields(result: dict[str, float]) -> dict[str, float]:

@@ -28,11 +28,18 @@ import functools
 import os
 import signal
 import sys
+import threading
 import time
 
 from mlm_ddp.heartbeat import ALIVE_EVERY_S, Beat
 from mlm_ddp.train import Hooks
 from mlm_ddp.train import main as train_main
+
+
+def pause(seconds: float) -> None:
+    """time.sleep, but also under libfaketime with its monotonic clock left alone, where time.sleep fails
+    with EINVAL (libfaketime 0.9.10) and a timed wait does not."""
+    threading.Event().wait(seconds)
 
 
 def freeze_at(where: str, beat: Beat) -> None:
@@ -56,7 +63,7 @@ def slow_evaluations(seconds: float) -> None:
     evaluate = evaluation.evaluate_mlm
 
     def slow(*args: object, **kwargs: object) -> object:
-        time.sleep(seconds)
+        pause(seconds)
         return evaluate(*args, **kwargs)
 
     evaluation.evaluate_mlm = slow
@@ -71,7 +78,7 @@ def slow_final_phase(where: str) -> None:
     write_summary = RunFolder.write_summary
 
     def slow(self: RunFolder, *args: object, **kwargs: object) -> None:
-        time.sleep(float(seconds))
+        pause(float(seconds))
         write_summary(self, *args, **kwargs)
 
     RunFolder.write_summary = slow

@@ -42,7 +42,8 @@ def start_rank(rank: int, port: int, out: Path, args: list[str], wrap: list[str]
     """One of two processes started the way torchrun starts them, but by the test, so that the test
     (not a launcher's grace period) kills the frozen one."""
     env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
-           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+           "FAKETIME_DONT_FAKE_MONOTONIC": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+           "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
     log = open(out.parent / f"rank{rank}.log", "w")  # noqa: SIM115 - closed with the process
     return subprocess.Popen([*(wrap or []), sys.executable, "-m", "tests.fault_driver", *args],
                             cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -110,8 +111,9 @@ def faketime() -> str:
 def test_clocks_a_minute_apart_long_evaluations_and_a_finished_peer_raise_no_alarm(
         tiny_model: Path, corpus: dict, tmp_path: Path, faketime: str) -> None:
     """Every evaluation (before training, at steps 2 and 4) lasts 7 s, longer than --ddp_timeout (5 s),
-    without a collective until its reduce; rank 1's clock is 60 s ahead of rank 0's (its own wall clock
-    and monotonic clock alike); rank 0 spends 9 s in its final phase after rank 1 finished (longer than
+    without a collective until its reduce; rank 1's wall clock is 60 s ahead of rank 0's (libfaketime;
+    its monotonic clock is left alone, as a host's own: libfaketime 0.9.10's faked one stalls timed waits
+    of threads); rank 0 spends 9 s in its final phase after rank 1 finished (longer than
     --save_timeout). A healthy run: exit 0 on both, and no hang record."""
     out = tmp_path / "run"
     args = tiny_args(tiny_model, corpus, out, "--max_train_steps", "4", "--eval_steps", "2", "--max_eval_samples",
