@@ -33,7 +33,7 @@ from accelerate import Accelerator
 from transformers import AutoModelForMaskedLM, DataCollatorForLanguageModeling, HfArgumentParser
 
 from mlm_ddp import data as mdata
-from mlm_ddp import distributed, heartbeat, watchdog
+from mlm_ddp import distributed, heartbeat, precision, watchdog
 from mlm_ddp.config import ModelConfig, _doc, from_dict
 from mlm_ddp.errors import BadInput
 from mlm_ddp.masking import EVAL_SPLIT, IGNORE_INDEX, TRAIN_SPLIT, MaskingCollator
@@ -202,7 +202,7 @@ def bench(cfg: BenchConfig) -> dict[str, Any]:
     device = accelerator.device
     if device.type == "cpu":
         torch.set_num_threads(distributed.usable_cores())
-        if cfg.precision == "bf16" and not distributed.cpu_computes_bf16():
+        if cfg.precision == "bf16" and not precision.cpu_computes_bf16():
             print("note: this CPU has no native bf16 (AVX512-BF16/AMX): bf16 matmuls are emulated, slower than fp32; "
                   "mlm_ddp's --mixed_precision auto trains in fp32 here", file=sys.stderr)
 

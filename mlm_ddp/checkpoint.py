@@ -28,8 +28,8 @@ from typing import Any
 import yaml
 from accelerate.logging import get_logger
 
+from mlm_ddp.collectives import patient_collectives
 from mlm_ddp.config import RunConfig
-from mlm_ddp.distributed import patient_collectives
 from mlm_ddp.durable import fsync_dir, fsync_tree
 from mlm_ddp.errors import BadInput, CheckpointWriteError
 from mlm_ddp.heartbeat import PhaseReport, unreported
@@ -61,6 +61,7 @@ class TrainerState:
     # the epochs are laid out for (data.EpochBatchSampler); None in checkpoints older than both
     block_in_epoch: int | None = None
     layout_batch: int | None = None
+    precision: str | None = None  # the mixed precision the job trained in ("no", "bf16", "fp16"); None: older
 
 
 def checkpoints_dir(output_dir: str | Path) -> Path:

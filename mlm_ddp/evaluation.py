@@ -18,7 +18,7 @@ from accelerate.logging import get_logger
 from torch.utils.data import DataLoader
 
 from mlm_ddp import data as mdata
-from mlm_ddp.distributed import sharded
+from mlm_ddp.collectives import sharded
 from mlm_ddp.heartbeat import PhaseReport, unreported
 from mlm_ddp.masking import IGNORE_INDEX
 from mlm_ddp.model import check_loss_sum

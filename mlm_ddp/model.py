@@ -16,8 +16,8 @@ from accelerate.logging import get_logger
 from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForMaskedLM, AutoTokenizer, PreTrainedModel, get_scheduler
 
 from mlm_ddp import fast_paths
+from mlm_ddp.collectives import sharded
 from mlm_ddp.config import ModelConfig, TrainingConfig
-from mlm_ddp.distributed import sharded
 from mlm_ddp.errors import BadInput
 from mlm_ddp.positions import KEYS as POSITION_KEYS
 from mlm_ddp.positions import loss_layout

@@ -24,8 +24,8 @@ from accelerate.logging import get_logger
 
 from mlm_ddp import checkpoint as ckpt
 from mlm_ddp import data as mdata
+from mlm_ddp.collectives import MainProcessWait
 from mlm_ddp.config import Config
-from mlm_ddp.distributed import MainProcessWait
 from mlm_ddp.durable import write_atomic
 from mlm_ddp.errors import EXIT_REQUEUE, AlreadyFinished, BadInput
 from mlm_ddp.model import checkpoint_dtype, from_scratch, inner_state_dict

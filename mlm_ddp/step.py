@@ -87,7 +87,7 @@ def forward_backward(accelerator: Accelerator, model: torch.nn.Module, window: l
 def skips_on_device(accelerator: Accelerator, optimizer: torch.optim.Optimizer) -> bool:
     """Whether a non-finite update can be skipped without reading the norm back: a fused AdamW (it takes
     `found_inf`), no gradient scaler (which sets its own), parameters not sharded (FSDP's are DTensors)."""
-    from mlm_ddp.distributed import sharded
+    from mlm_ddp.collectives import sharded
 
     inner = getattr(optimizer, "optimizer", optimizer)
     # recent torch makes AdamW an Adam, older releases a class of its own: both read found_inf when fused

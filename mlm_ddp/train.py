@@ -29,8 +29,8 @@ from accelerate.logging import get_logger
 from accelerate.utils import set_seed
 
 from mlm_ddp import checkpoint as ckpt
+from mlm_ddp import collectives, distributed, precision
 from mlm_ddp import data as mdata
-from mlm_ddp import distributed
 from mlm_ddp.config import Config, parse_args
 from mlm_ddp.errors import EXIT_FAILED, BadInput, Preempted, RunEnded, say
 from mlm_ddp.evaluation import Evaluator
@@ -106,9 +106,9 @@ def preflight(cfg: Config) -> Checked:
                        f"{model_config.vocab_size}; pass the model's own tokenizer")
     topo = distributed.detect()
     fsdp_plugin = distributed.fsdp_plugin_from_launcher()
-    distributed.check_fsdp_plugin(fsdp_plugin, cuda=bool(topo.cuda_devices))
-    precision = distributed.choose_precision(cfg.training.mixed_precision, distributed.launcher_precision(),
-                                             distributed.hardware(topo))
+    collectives.check_fsdp_plugin(fsdp_plugin, cuda=bool(topo.cuda_devices))
+    chosen = precision.choose_precision(cfg.training.mixed_precision, precision.launcher_precision(),
+                                        precision.hardware(topo))
     folder = RunFolder(cfg)
     start = folder.plan(topo.world_size, sharded=fsdp_plugin is not None,
                         stream_bytes=functools.partial(stream_bytes, cfg))
@@ -117,7 +117,7 @@ def preflight(cfg: Config) -> Checked:
         raw_train, raw_eval, _ = mdata.load_prepared(cfg.data, tokenizer)
     else:
         raw_train, raw_eval = mdata.load_text(cfg.data, cfg.training.seed)
-    return Checked(tokenizer, model_config, topo, fsdp_plugin, precision, folder, start, trackers, hub_repo,
+    return Checked(tokenizer, model_config, topo, fsdp_plugin, chosen, folder, start, trackers, hub_repo,
                    raw_train, raw_eval)
 
 
@@ -149,7 +149,7 @@ class Training:
     cfg: Config
     checked: Checked
     accelerator: Accelerator
-    wait: distributed.MainProcessWait  # the long-timeout group in which ranks wait for the main process
+    wait: collectives.MainProcessWait  # the long-timeout group in which ranks wait for the main process
     data: mdata.RankData
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
@@ -171,10 +171,10 @@ class Training:
 
 def build(cfg: Config, checked: Checked, hooks: Hooks) -> Training:
     start, path = checked.start, checked.folder.path
-    accelerator = distributed.start_accelerator(
-        checked.topo, checked.fsdp_plugin, cfg.training, checked.precision[0], cfg.run.ddp_timeout, checked.trackers,
+    accelerator, checked.precision = collectives.start_accelerator(
+        checked.topo, checked.fsdp_plugin, cfg.training, checked.precision, cfg.run.ddp_timeout, checked.trackers,
         project_dir=str(path / "logs"))  # TensorBoard writes into logs/<TRACKING_PROJECT>/
-    wait = distributed.MainProcessWait(accelerator.num_processes, cfg.run.save_timeout)
+    wait = collectives.MainProcessWait(accelerator.num_processes, cfg.run.save_timeout)
     agree_on_resume(start.resume_from, wait)
     transformers_model = load_weights(cfg, checked, accelerator)
     data = mdata.rank_data(cfg.data, cfg.training, checked.tokenizer, checked.raw_train, checked.raw_eval,
@@ -193,6 +193,9 @@ def build(cfg: Config, checked: Checked, hooks: Hooks) -> Training:
                     f", written by {start.written_by} process(es)" if start.elastic else "")
         if start.note:
             logger.warning("%s", start.note)
+        if start.state.precision not in (None, checked.precision[0]):
+            logger.warning("the precision changed: the checkpoint trained in %s, this run trains in %s (%s)",
+                           start.state.precision, *checked.precision)
     describe_start(cfg, checked.topo, checked.precision, accelerator,
                    f"{data.note}; {data.total_steps} optimizer steps", model, n_params)
     feed, stream_state = train_feed(cfg, start, accelerator, data)
@@ -219,7 +222,7 @@ def watch(cfg: Config, checked: Checked, world: int) -> Watchdog | None:
         return cfg.run.save_timeout if phase in SAVE_PHASES else cfg.run.ddp_timeout
 
     on_stall = on_stall_exit(checked.folder.path, checked.topo.rank,
-                             functools.partial(distributed.lost_contact, checked.topo), "mlm_ddp.train", EXIT_FAILED)
+                             functools.partial(collectives.lost_contact, checked.topo), "mlm_ddp.train", EXIT_FAILED)
     return Watchdog(store, checked.topo.rank, world, timeout_s, on_stall)
 
 
@@ -231,8 +234,8 @@ def train_feed(cfg: Config, start: Start, accelerator: Accelerator,
     stream_state = (ckpt.read_data_state(start.resume_from, accelerator.process_index)
                     if start.resume_from and not start.elastic else None)
     feed = mdata.TrainFeed(data.train_loader, data.train_collator, cfg.training.gradient_accumulation_steps,
-                           state.epoch, state.batch_in_epoch, functools.partial(distributed.any_rank, accelerator),
-                           stream_state, functools.partial(distributed.gather_rows, accelerator),
+                           state.epoch, state.batch_in_epoch, functools.partial(collectives.any_rank, accelerator),
+                           stream_state, functools.partial(collectives.gather_rows, accelerator),
                            state.block_in_epoch)
     if feed.stream and state.step < data.total_steps:  # only reading tells whether a stream fills a step
         feed.prime()  # before anything is written
@@ -349,7 +352,8 @@ def trainer_state(run: Training, step: int, at: mdata.FeedPosition) -> ckpt.Trai
     """The counters a checkpoint after `step` saves, the data at `at` (a collective: every rank's tokens)."""
     sampler = run.feed.sampler
     return ckpt.TrainerState(step, at.epoch, at.batch_in_epoch, run.log.tokens_total(), run.accelerator.num_processes,
-                             at.block_in_epoch, None if sampler is None else sampler.layout_batch)
+                             at.block_in_epoch, None if sampler is None else sampler.layout_batch,
+                             run.checked.precision[0])
 
 
 def position_after(run: Training, step: int) -> tuple[ckpt.TrainerState, dict | None]:
@@ -447,10 +451,10 @@ def main(argv: list[str] | None = None, hooks: Hooks | None = None) -> int:
         return err.exit_code
     except RuntimeError as err:  # DistError is one; gloo inside DDP's backward raises a plain one
         topo = distributed.detect(cuda_devices=0)
-        if not (topo.distributed and distributed.is_collective_failure(err)):
+        if not (topo.distributed and collectives.is_collective_failure(err)):
             raise
         first = diagnose(cfg.run.output_dir) if cfg is not None else None
-        say(f"mlm_ddp.train: error: {distributed.lost_contact(topo, err)}"
+        say(f"mlm_ddp.train: error: {collectives.lost_contact(topo, err)}"
             + (f"\nmlm_ddp.train: error: hang: {first}" if first else ""))
         return EXIT_FAILED
     return 0

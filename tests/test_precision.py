@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from mlm_ddp import distributed
-from mlm_ddp.distributed import Hardware, choose_precision
+from mlm_ddp import distributed, precision
 from mlm_ddp.errors import EXIT_NONFINITE, BadInput, NonFiniteLoss
+from mlm_ddp.precision import Hardware, choose_precision
 from mlm_ddp.spikes import LossSpikes
 from mlm_ddp.step import NONFINITE_IN_A_ROW, SkippedSteps, settle_step, train_step
 from tests.conftest import run_module, tiny_args
@@ -96,7 +96,7 @@ def test_the_launcher_precision_counts_no_only_where_it_was_said(tmp_path: Path)
     ours = ["-m", "mlm_ddp.train", "--mixed_precision", "no"]  # mlm_ddp's own flag, after the module
     cases = [
         ({}, [*launch, *ours], None),
-        ({"ACCELERATE_MIXED_PRECISION": "bf16"}, [], ("bf16", distributed.LAUNCHER_SOURCE)),
+        ({"ACCELERATE_MIXED_PRECISION": "bf16"}, [], ("bf16", precision.LAUNCHER_SOURCE)),
         # "no" is what accelerate launch exports when it was told nothing
         ({"ACCELERATE_MIXED_PRECISION": "no"}, [*launch, "--config_file", str(silent), *ours], None),
         ({"ACCELERATE_MIXED_PRECISION": "no"}, [*launch, "--mixed_precision", "no", *ours],
@@ -108,7 +108,7 @@ def test_the_launcher_precision_counts_no_only_where_it_was_said(tmp_path: Path)
         ({"ACCELERATE_MIXED_PRECISION": "no"}, ["torchrun", "--nproc_per_node", "2", "train.py"], None),
     ]
     for env, argv, expected in cases:
-        assert distributed.launcher_precision(env, argv) == expected, (env, argv)
+        assert precision.launcher_precision(env, argv) == expected, (env, argv)
 
 
 def launch_one(config: str, launch_flags: list[str], args: list[str]):
@@ -135,9 +135,9 @@ def test_accelerate_launch_precision_reaches_the_run_or_stops_it(tiny_model: Pat
 def test_fsdp2_policy_keeps_loss_sums_and_gradient_reductions_in_fp32() -> None:
     from mlm_ddp.model import check_loss_sum
 
-    assert distributed.fsdp2_policy("no") is None
+    assert precision.fsdp2_policy("no") is None
     for name, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
-        policy = distributed.fsdp2_policy(name)
+        policy = precision.fsdp2_policy(name)
         assert (policy.param_dtype, policy.reduce_dtype, policy.output_dtype) == (dtype, torch.float32, None)
     assert check_loss_sum(torch.tensor(2201.6)).dtype == torch.float32
     with pytest.raises(RuntimeError, match="loss sum in torch.bfloat16"):

@@ -35,14 +35,14 @@ def gpu_precisions() -> list[str]:
 
 
 def test_auto_picks_what_this_gpu_computes_natively() -> None:
-    from mlm_ddp import distributed
+    from mlm_ddp import distributed, precision
 
     topo = distributed.detect({})
-    hw = distributed.hardware(topo)
-    precision, why = distributed.auto_precision(hw)
+    hw = precision.hardware(topo)
+    chosen, why = precision.auto_precision(hw)
     native_bf16 = torch.cuda.is_bf16_supported(including_emulation=False)
-    print(f"{torch.cuda.get_device_name(0)}: capability {hw.capability}, auto -> {precision} ({why})")
-    assert precision == ("bf16" if native_bf16 else "fp16" if hw.capability[0] >= 7 else "no")
+    print(f"{torch.cuda.get_device_name(0)}: capability {hw.capability}, auto -> {chosen} ({why})")
+    assert chosen == ("bf16" if native_bf16 else "fp16" if hw.capability[0] >= 7 else "no")
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,264 @@
+"""The process group and its collectives: the Accelerator (the group forms there, with the job's agreed
+precision), FSDP kept on CPU processes, the gloo side groups in which ranks wait for the main process with
+a patient timeout, and the small collectives the loop uses; how a lost peer is worded.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any
+
+from mlm_ddp.distributed import Topology, check_accelerator, export_for_accelerate
+from mlm_ddp.precision import agree_precision, fsdp2_policy
+
+
+def keep_fsdp_on_cpu(accelerator: Any, plugin: Any) -> bool:
+    """Run FSDP on CPU processes (gloo) where accelerate would silently run DDP instead.
+
+    accelerate 1.15's AcceleratorState turns FSDP on only for GPU-like distributed types (MULTI_GPU,
+    MULTI_NPU, ...); a CPU group is MULTI_CPU, so the plugin is dropped and `prepare` wraps the model in
+    DDP. FSDP2 itself runs on gloo: set the state accelerate would have set for a GPU (its
+    distributed type and plugin, which carries `fsdp2_policy` already) before anything is prepared.
+    Returns whether it did. FSDP1 needs a GPU: `check_fsdp_plugin` refuses it first.
+    """
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType
+
+    if plugin is None or accelerator.distributed_type != DistributedType.MULTI_CPU:
+        return False
+    accelerator.state.fsdp_plugin = plugin
+    # both states, as AcceleratorState.__init__ does: every later AcceleratorState() copies PartialState's
+    accelerator.state.distributed_type = DistributedType.FSDP
+    PartialState().distributed_type = DistributedType.FSDP
+    return True
+
+
+def check_fsdp_plugin(plugin: Any, cuda: bool) -> None:
+    """Refuse FSDP settings that cannot run here, or whose checkpoints mlm_ddp cannot validate and resume."""
+    if plugin is None:
+        return
+    from torch.distributed.fsdp import StateDictType
+
+    from mlm_ddp.errors import BadInput
+
+    if plugin.fsdp_version != 2 and not cuda:
+        raise BadInput(f"fsdp_version {plugin.fsdp_version} on CPU processes: only FSDP2 runs over gloo; set "
+                       "fsdp_version: 2 in the accelerate config (accelerate_configs/fsdp.yaml does)")
+    if plugin.state_dict_type != StateDictType.SHARDED_STATE_DICT:
+        raise BadInput(f"fsdp_state_dict_type {plugin.state_dict_type.name}: mlm_ddp checkpoints FSDP runs with "
+                       "SHARDED_STATE_DICT (each rank writes its shard; final/ is written whole either way); set "
+                       "fsdp_state_dict_type: SHARDED_STATE_DICT in the accelerate config")
+
+
+def network_interfaces() -> list[str]:
+    import socket
+
+    return [name for _, name in socket.if_nameindex()]
+
+
+def gloo_interface(env: Mapping[str, str], backend: str, interfaces: list[str]) -> str | None:
+    """The interface (GLOO_SOCKET_IFNAME) for mlm_ddp's gloo side group, which an NCCL job also needs: the
+    user's GLOO_SOCKET_IFNAME, checked; on NCCL, else the interface NCCL_SOCKET_IFNAME selects, so that the
+    side group takes the network NCCL was told to take (gloo alone resolves this host's name, which on
+    many clusters is the loopback or a management network); else None (gloo's own choice).
+
+    NCCL_SOCKET_IFNAME is a list of prefixes ("ib,eth"), of exact names after "=", or of exclusions after
+    "^"; exclusions name no interface, so gloo then keeps its own choice. Raises BadInput naming the
+    variable when no interface of this host matches.
+    """
+    from mlm_ddp.errors import BadInput
+
+    host = os.uname().nodename
+    if env.get("GLOO_SOCKET_IFNAME"):
+        missing = [name for name in env["GLOO_SOCKET_IFNAME"].split(",") if name not in interfaces]
+        if missing:
+            raise BadInput(f"GLOO_SOCKET_IFNAME={env['GLOO_SOCKET_IFNAME']}: {host} has no interface "
+                           f"{', '.join(missing)} (it has {', '.join(interfaces)}); export one of those")
+        return env["GLOO_SOCKET_IFNAME"]
+    wanted = env.get("NCCL_SOCKET_IFNAME", "").strip()
+    if backend != "nccl" or not wanted or wanted.startswith("^"):
+        return None
+    exact = wanted.startswith("=")
+    names = [name.strip() for name in wanted.lstrip("=").split(",") if name.strip()]
+    matches = [i for i in interfaces if any(i == n if exact else i.startswith(n) for n in names)]
+    if not matches:
+        raise BadInput(f"NCCL_SOCKET_IFNAME={wanted}: no interface of {host} matches (it has "
+                       f"{', '.join(interfaces)}); NCCL and mlm_ddp's gloo side group would have no network: "
+                       "export NCCL_SOCKET_IFNAME (and GLOO_SOCKET_IFNAME) with one of those")
+    return matches[0]
+
+
+def follow_nccl_interface(backend: str) -> None:
+    """Set GLOO_SOCKET_IFNAME for the gloo groups created after this (`gloo_interface`)."""
+    chosen = gloo_interface(os.environ, backend, network_interfaces())
+    if chosen and os.environ.get("GLOO_SOCKET_IFNAME") != chosen:
+        os.environ["GLOO_SOCKET_IFNAME"] = chosen
+
+
+class MainProcessWait:
+    """The collectives in which the other processes wait while the main process alone works (the
+    files of a checkpoint, final/, removing an earlier run, tokenizing): on a gloo group of their own
+    with a long timeout (--save_timeout, --preprocessing_timeout), so that --ddp_timeout can stay
+    short for the training collectives (DESIGN.md, pitfall 14). Every rank must call each method at
+    the same point."""
+
+    def __init__(self, num_processes: int, timeout_s: int) -> None:
+        import torch
+
+        self.group = None
+        if num_processes > 1:
+            follow_nccl_interface(torch.distributed.get_backend())
+            self.group = torch.distributed.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+
+    def barrier(self) -> None:
+        if self.group is not None:
+            import torch
+
+            torch.distributed.barrier(group=self.group)
+
+    def close(self) -> None:
+        if self.group is not None:
+            import torch
+
+            torch.distributed.destroy_process_group(self.group)
+            self.group = None
+
+    def broadcast(self, value: Any) -> Any:
+        """The main process's `value` (a small picklable object), on every rank."""
+        if self.group is None:
+            return value
+        import torch
+
+        box = [value]
+        torch.distributed.broadcast_object_list(box, src=0, group=self.group)
+        return box[0]
+
+    def gather(self, value: Any) -> list[Any]:
+        """Every rank's `value` (a small picklable object), in rank order, on every rank."""
+        if self.group is None:
+            return [value]
+        import torch
+
+        values: list[Any] = [None] * torch.distributed.get_world_size(self.group)
+        torch.distributed.all_gather_object(values, value, group=self.group)
+        return values
+
+    def any(self, flag: bool) -> bool:
+        """True on every rank when `flag` is true on any rank."""
+        if self.group is None:
+            return flag
+        import torch
+
+        votes = torch.tensor([float(flag)])  # gloo: a CPU tensor, also next to NCCL
+        torch.distributed.all_reduce(votes, group=self.group)
+        return votes.item() > 0
+
+
+def start_accelerator(topo: Topology, fsdp_plugin: Any, training: Any, precision: tuple[str, str], ddp_timeout: int,
+                      trackers: list[str], project_dir: str) -> tuple[Any, tuple[str, str]]:
+    """The Accelerator of this process (the process group forms here), with the training settings of
+    the mlm_ddp config whatever the launcher, and the job's precision: rank 0's choice (`choose_precision`'s
+    on each rank), agreed before the Accelerator is made (`agree_precision`). Returns both."""
+    from accelerate import Accelerator, PartialState
+    from accelerate.logging import get_logger
+    from accelerate.utils import GradientAccumulationPlugin, InitProcessGroupKwargs
+
+    logger = get_logger(__name__)
+    export_for_accelerate(topo)
+    if topo.distributed:
+        # the process group first, as the Accelerator below would form it (it takes this one over): its
+        # store carries every rank's precision before the Accelerator fixes one
+        PartialState(cpu=not topo.cuda_devices, timeout=timedelta(seconds=ddp_timeout))
+        precision = agree_precision(precision, topo)
+    if fsdp_plugin is not None and fsdp_plugin.fsdp_version == 2:
+        fsdp_plugin.mixed_precision_policy = fsdp2_policy(precision[0])  # accelerate keeps a policy it is given
+    accelerator = Accelerator(
+        fsdp_plugin=fsdp_plugin,
+        cpu=not topo.cuda_devices,  # else a CPU process started by torchrun or srun trains alone
+        mixed_precision=precision[0],  # from our config, so every launcher trains alike
+        gradient_accumulation_plugin=GradientAccumulationPlugin(
+            num_steps=training.gradient_accumulation_steps, sync_with_dataloader=False),
+        # fail fast: when a process dies, the others stop within this time instead of hanging
+        kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=ddp_timeout))],
+        log_with=trackers or None,
+        project_dir=project_dir,
+    )
+    if keep_fsdp_on_cpu(accelerator, fsdp_plugin):
+        logger.info("FSDP on CPU processes: the accelerate config asks for FSDP, which accelerate would run as "
+                    "DDP on a CPU; mlm_ddp keeps its FSDP2 plugin (gloo)")
+    check_accelerator(topo, accelerator.num_processes, str(accelerator.distributed_type))
+    return accelerator, precision
+
+
+def sharded(accelerator: Any) -> bool:
+    """FSDP shards the parameters: every forward is a collective and the model is not whole anywhere."""
+    from accelerate.utils import DistributedType
+
+    return accelerator.distributed_type == DistributedType.FSDP
+
+
+def any_rank(accelerator: Any, flag: bool) -> bool:
+    """True on every rank when `flag` is true on any rank (a collective of the training group)."""
+    import torch
+
+    return accelerator.reduce(torch.tensor(float(flag), device=accelerator.device), reduction="sum").item() > 0
+
+
+def gather_rows(accelerator: Any, values: list[float]) -> list[list[float]]:
+    """Every rank's `values` (the same length on every rank), in rank order (a collective)."""
+    import torch
+
+    rows = accelerator.gather(torch.tensor(values, dtype=torch.float64, device=accelerator.device))
+    return rows.view(accelerator.num_processes, -1).tolist()
+
+
+@contextmanager
+def patient_collectives(timeout_s: int, usual_s: int) -> Iterator[None]:
+    """The training group's collectives wait up to `timeout_s` inside the block (a checkpoint's save or
+    load: FSDP's and torch.distributed.checkpoint's collectives run on that group, and one slow shard write
+    must not trip --ddp_timeout, after which NCCL's watchdog ends every process), `usual_s` again after."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    change = getattr(distributed_c10d, "_set_pg_timeout", None)  # torch >= 2.2; without it: --ddp_timeout
+    if not dist.is_initialized() or change is None or timeout_s <= usual_s:
+        yield
+        return
+    change(timedelta(seconds=timeout_s))
+    try:
+        yield
+    finally:
+        change(timedelta(seconds=usual_s))
+
+
+@contextmanager
+def patient_main_process_first(accelerator: Any, timeout_s: int) -> Iterator[None]:
+    """Like accelerate's main_process_first, but the others wait on a group of their own with a long
+    timeout: tokenizing a large corpus must not trip --ddp_timeout (transformers #17106)."""
+    wait = MainProcessWait(accelerator.num_processes, timeout_s)
+    if not accelerator.is_main_process:
+        wait.barrier()
+    yield
+    if accelerator.is_main_process:
+        wait.barrier()
+    wait.close()
+
+
+def is_collective_failure(err: RuntimeError) -> bool:
+    """A peer died, or hung past --ddp_timeout (how gloo and NCCL say so)."""
+    markers = ("gloo", "NCCL", "Connection reset by peer", "Connection closed by peer", "ProcessGroup")
+    import torch
+
+    return isinstance(err, torch.distributed.DistError) or any(m in str(err) for m in markers)
+
+
+def lost_contact(topo: Topology, err: Exception) -> str:
+    others = [r for r in range(topo.world_size) if r != topo.rank]
+    who = f"rank {others[0]}" if len(others) == 1 else f"one of ranks {', '.join(map(str, others))}"
+    return (f"rank {topo.rank} lost contact with the other process(es) ({who}): a process died, was killed, "
+            f"or hung for longer than --ddp_timeout; the launcher's report or that process's log says which "
+            f"and why. Cause: {type(err).__name__}: {str(err).strip()[:300]}")
+
