@@ -84,7 +84,11 @@ def store_of_process_group() -> Store | None:
 
     if not dist.is_initialized():
         return None
-    store = distributed_c10d._get_default_store().clone()
+    store = distributed_c10d._get_default_store()
+    try:
+        store = store.clone()
+    except (RuntimeError, NotImplementedError):  # a store without clone: the shared client (its ops lock)
+        return store
     store.set_timeout(timedelta(seconds=STORE_TIMEOUT_S))
     return store
 
