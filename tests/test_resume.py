@@ -60,3 +60,29 @@ def test_resume_continues_the_uninterrupted_curve(kind: str, procs: int, ga: int
         # and more); only the current chunk was read again
         assert epoch == 0 and chunk >= 1 and block >= 1 and 0 < reread <= CHUNK
         assert sorted((resumed / "checkpoints" / "step-0000004").glob("data_state_*.json"))
+
+
+def test_a_resume_in_another_precision_says_so(tiny_model: Path, corpus: dict, tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch,
+                                               caplog: pytest.LogCaptureFixture) -> None:
+    """`auto` resolved on other hardware (here: a CPU without native bf16, then one with it): the same
+    config resumes, and the run says that the precision changed; the checkpoint records the first one."""
+    import json
+
+    from accelerate.state import AcceleratorState, GradientState
+
+    from mlm_ddp import precision
+
+    out = tmp_path / "run"
+    args = tiny_args(tiny_model, corpus, out, "--mixed_precision", "auto", "--checkpointing_steps", "1",
+                     "--max_eval_samples", "8")
+    monkeypatch.setattr(precision, "hardware", lambda _topo: precision.Hardware("cpu", cpu_bf16=False))
+    train(parse_args([*args, "--max_train_steps", "1"]))
+    saved = json.loads((out / "checkpoints" / "step-0000001" / "trainer_state.json").read_text())
+    assert saved["precision"] == "no"
+    AcceleratorState._reset_state(True)  # a new process would start with none (the conftest resets between tests)
+    GradientState._reset_state()
+    monkeypatch.setattr(precision, "hardware", lambda _topo: precision.Hardware("cpu", cpu_bf16=True))
+    with caplog.at_level("WARNING"):
+        train(parse_args([*args, "--max_train_steps", "2", "--resume_from_checkpoint", "latest"]))
+    assert "the precision changed: the checkpoint trained in no, this run trains in bf16 (auto: " in caplog.text
