@@ -387,10 +387,9 @@ class RunConfig:
         default=None,
     )
     on_nonfinite_loss: Literal["stop", "skip"] = _doc(
-        "A step whose loss or gradients are NaN or inf: 'stop' the run (exit 3, naming the last good "
-        "checkpoint) or 'skip' that optimizer step (counted; 10 in a row stop the run, and so does a run "
-        "that took no update). fp16 overflows (every rank's loss finite) are the gradient scaler's business: "
-        "counted apart, and fatal only once its scale falls below 1.",
+        "A step whose loss or gradients are NaN/inf: 'stop' the run (exit 3, naming the last good checkpoint) or "
+        "'skip' its update (counted; 10 in a row, or a run with no update, stop it too). fp16 overflows (every "
+        "rank's loss finite) are the gradient scaler's: counted apart, fatal once its scale falls below 1.",
         default="stop",
     )
     peak_tflops: float | None = _doc(
