@@ -126,6 +126,13 @@ class Heartbeat:
         if self.on_beat is not None:
             self.on_beat(self.last)
 
+    def entering(self, collective: str) -> None:
+        """A beat in the current step and phase, naming a collective this rank enters inside it (one the
+        phase's own beats do not name: the stream feed's agreement, a skip read before a save); nothing
+        before `start`."""
+        if self._fd is not None:
+            self.beat(self.last.step, self.last.phase, collective)
+
     def _write(self) -> None:
         text = json.dumps(asdict(self.last))
         try:

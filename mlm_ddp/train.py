@@ -198,7 +198,7 @@ def build(cfg: Config, checked: Checked, hooks: Hooks) -> Training:
                            start.state.precision, *checked.precision)
     describe_start(cfg, checked.topo, checked.precision, accelerator,
                    f"{data.note}; {data.total_steps} optimizer steps", model, n_params)
-    feed, stream_state = train_feed(cfg, start, accelerator, data)
+    feed, stream_state = train_feed(cfg, start, accelerator, data, heartbeat)
     # the first write: every check passed, the checkpoint loaded and the stream fills a step
     checked.folder.prepare(accelerator, wait, start)
     heartbeat.start()
@@ -226,16 +226,25 @@ def watch(cfg: Config, checked: Checked, world: int) -> Watchdog | None:
     return Watchdog(store, checked.topo.rank, world, timeout_s, on_stall)
 
 
-def train_feed(cfg: Config, start: Start, accelerator: Accelerator,
-               data: mdata.RankData) -> tuple[mdata.TrainFeed, dict | None]:
+def train_feed(cfg: Config, start: Start, accelerator: Accelerator, data: mdata.RankData,
+               heartbeat: Heartbeat) -> tuple[mdata.TrainFeed, dict | None]:
     """The feed of optimizer-step windows from the start's data position, and the stream position it
-    resumed (a stream position is this rank's part's: another number of processes has other parts)."""
+    resumed (a stream position is this rank's part's: another number of processes has other parts). A
+    stream's feed agrees on every window and epoch end (collectives): each tells the heartbeat first."""
     state = start.state
     stream_state = (ckpt.read_data_state(start.resume_from, accelerator.process_index)
                     if start.resume_from and not start.elastic else None)
+
+    def any_rank(flag: bool) -> bool:
+        heartbeat.entering("the all-reduce of the stream's ran-out flags")
+        return collectives.any_rank(accelerator, flag)
+
+    def gather_rows(values: list[float]) -> list[list[float]]:
+        heartbeat.entering("the gather of every rank's account of the stream's epoch")
+        return collectives.gather_rows(accelerator, values)
+
     feed = mdata.TrainFeed(data.train_loader, data.train_collator, cfg.training.gradient_accumulation_steps,
-                           state.epoch, state.batch_in_epoch, functools.partial(collectives.any_rank, accelerator),
-                           stream_state, functools.partial(collectives.gather_rows, accelerator),
+                           state.epoch, state.batch_in_epoch, any_rank, stream_state, gather_rows,
                            state.block_in_epoch)
     if feed.stream and state.step < data.total_steps:  # only reading tells whether a stream fills a step
         feed.prime()  # before anything is written
@@ -344,6 +353,7 @@ def after_step(run: Training, step: int, at: mdata.FeedPosition,
 def settle(run: Training, unread: tuple[int, StepResult]) -> None:
     """Read a step's on-device skip now (an all-reduce and a host sync, every rank alike) and act on it,
     where no next step's all-reduce will bring it."""
+    run.heartbeat.entering("the all-reduce of the last step's skip")
     if (skipped := settle_step(run.accelerator, unread[1])) is not None:
         run.skips(unread[0], skipped)
 
