@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -171,6 +173,42 @@ def assert_matches_one_process(run: Path, tiny_model: Path, corpus: dict[str, Pa
     local, distributed = train_losses(scratch), train_losses(run)
     assert sorted(distributed) == list(range(1, steps + 1))
     assert max(abs(local[s] - distributed[s]) / local[s] for s in local) <= SAME_STEPS
+
+
+CONFIGS = REPO / "accelerate_configs"
+LAUNCH = ["accelerate.commands.launch"]
+
+
+HANDED_OUT: set[int] = set()  # free_port's picks in this process (a test run hands out a few dozen)
+
+
+def free_port() -> int:
+    """A free TCP port below the kernel's ephemeral range. A port from inside it (what binding port 0
+    gives) can be taken as some connection's source port before the process it is meant for binds it:
+    test_hang starts five 2-process runs at once, whose gloo connections did that on a loaded machine
+    (EADDRINUSE). Below the range only explicit binds compete: 10000-14999, under the ports Slurm jobs
+    derive (mlm_ddp.SLURM_PORT_BASE), never one this process handed out already."""
+    from mlm_ddp.distributed import SLURM_PORT_BASE
+
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 0
+    picks = random.Random()  # seeded from the OS: another pick in each process and call
+    for _ in range(100 if low > 11000 else 0):
+        port = picks.randrange(10000, min(low, SLURM_PORT_BASE))
+        if port in HANDED_OUT:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        HANDED_OUT.add(port)
+        return port
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def run_module(args: list[str], cwd: Path | None = None, env: dict | None = None,

@@ -13,8 +13,7 @@ import pytest
 from mlm_ddp.collectives import gloo_interface
 from mlm_ddp.config import RunConfig
 from mlm_ddp.errors import BadInput
-from tests.conftest import run_module
-from tests.test_topology import CONFIGS, LAUNCH, free_port
+from tests.conftest import CONFIGS, LAUNCH, free_port, run_module
 
 
 def test_ranks_with_different_views_of_the_folder_agree_on_rank_0s_checkpoint_or_stop(tmp_path: Path) -> None:

@@ -14,8 +14,7 @@ import pytest
 
 from mlm_ddp.config import parse_args
 from mlm_ddp.train import main, train
-from tests.conftest import NO_DROPOUT, SAME_STEPS, run_module, tiny_args, train_losses
-from tests.test_topology import CONFIGS, LAUNCH, free_port
+from tests.conftest import CONFIGS, LAUNCH, NO_DROPOUT, SAME_STEPS, free_port, run_module, tiny_args, train_losses
 
 STEPS, SAVED = 10, 5
 

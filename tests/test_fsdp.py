@@ -23,8 +23,11 @@ from mlm_ddp.config import parse_args
 from mlm_ddp.errors import EXIT_REQUEUE, BadInput
 from mlm_ddp.train import main
 from tests.conftest import (
+    CONFIGS,
+    LAUNCH,
     NO_DROPOUT,
     SAME_STEPS,
+    free_port,
     last_step,
     read_metrics,
     run_module,
@@ -34,7 +37,7 @@ from tests.conftest import (
     wait_for,
 )
 from tests.test_reliability import popen, workers_of
-from tests.test_topology import CONFIGS, LAUNCH, free_port, max_rel_diff
+from tests.test_topology import max_rel_diff
 
 STEPS = 20
 # constant learning rate: the first N steps of any run are the same whatever --max_train_steps says,

@@ -29,8 +29,7 @@ from torch.distributed import TCPStore
 from mlm_ddp import heartbeat, watchdog
 from mlm_ddp.heartbeat import ALIVE_EVERY_S, Beat
 from mlm_ddp.watchdog import FROZEN_AFTER_S, Watchdog
-from tests.conftest import REPO, run_module, tiny_args
-from tests.test_topology import free_port
+from tests.conftest import REPO, free_port, run_module, tiny_args
 
 PHASES = ["data", "forward/backward", "optimizer", "eval", "checkpoint"]
 # --ddp_timeout and --save_timeout of the frozen runs: the watchdog names a frozen rank once its tick has

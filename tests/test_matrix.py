@@ -25,8 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, SAME_STEPS, corpus_paragraphs
-from tests.test_topology import CONFIGS, LAUNCH, free_port
+from tests.conftest import CONFIGS, LAUNCH, REPO, SAME_STEPS, corpus_paragraphs, free_port
 
 SEQ = 16
 STREAM_STEPS, STREAM_EVERY = 5, 2

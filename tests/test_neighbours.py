@@ -18,9 +18,18 @@ from transformers import AutoModelForMaskedLM
 from mlm_ddp.checkpoint import SAFE_LOADING_TORCH, check_safe_loading
 from mlm_ddp.errors import EXIT_BAD_INPUT, BadInput
 from mlm_ddp.train import main
-from tests.conftest import REPO, read_metrics, tiny_args, tiny_family_model, train_losses
+from tests.conftest import (
+    CONFIGS,
+    LAUNCH,
+    REPO,
+    free_port,
+    read_metrics,
+    run_module,
+    tiny_args,
+    tiny_family_model,
+    train_losses,
+)
 from tests.test_reliability import snapshot
-from tests.test_topology import CONFIGS, LAUNCH, free_port, run_module
 
 QUICK = ["--report", "false", "--cpu_threads", "1"]
 

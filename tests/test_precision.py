@@ -19,8 +19,7 @@ from mlm_ddp.errors import EXIT_NONFINITE, BadInput, NonFiniteLoss
 from mlm_ddp.precision import Hardware, choose_precision
 from mlm_ddp.spikes import LossSpikes
 from mlm_ddp.step import NONFINITE_IN_A_ROW, SkippedSteps, settle_step, train_step
-from tests.conftest import run_module, tiny_args
-from tests.test_topology import CONFIGS, LAUNCH
+from tests.conftest import CONFIGS, LAUNCH, run_module, tiny_args
 
 CPU, CPU_BF16 = Hardware("cpu"), Hardware("cpu", cpu_bf16=True)
 

@@ -6,12 +6,12 @@ import io
 from pathlib import Path
 
 import pytest
-from conftest import tiny_args
 
 from mlm_ddp.config import parse_args
 from mlm_ddp.errors import BadInput
 from mlm_ddp.predict import fill_mask, load_for_prediction, main
 from mlm_ddp.train import train
+from tests.conftest import tiny_args
 
 
 @pytest.fixture(scope="module")

@@ -22,8 +22,18 @@ from safetensors.torch import load_file, save_file
 
 from mlm_ddp.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_NONFINITE, EXIT_REQUEUE
 from mlm_ddp.train import main
-from tests.conftest import REPO, SAME_STEPS, last_step, read_metrics, tiny_args, train_losses, wait_for
-from tests.test_topology import CONFIGS, LAUNCH, free_port
+from tests.conftest import (
+    CONFIGS,
+    LAUNCH,
+    REPO,
+    SAME_STEPS,
+    free_port,
+    last_step,
+    read_metrics,
+    tiny_args,
+    train_losses,
+    wait_for,
+)
 
 
 def snapshot(root: Path) -> dict[str, str]:

@@ -7,12 +7,12 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import tiny_args
 from PIL import Image
 
 from mlm_ddp.config import parse_args
 from mlm_ddp.report import FIGURES, main, write_report
 from mlm_ddp.train import train
+from tests.conftest import tiny_args
 
 BLUE, ORANGE = (0x1F, 0x77, 0xB4), (0xFF, 0x7F, 0x0E)  # matplotlib's C0 and C1: the first two runs
 

@@ -15,8 +15,7 @@ import pytest
 
 from mlm_ddp.config import parse_args
 from mlm_ddp.train import train
-from tests.conftest import run_module, tiny_args, train_losses
-from tests.test_topology import CONFIGS, LAUNCH, free_port
+from tests.conftest import CONFIGS, LAUNCH, free_port, run_module, tiny_args, train_losses
 
 CHUNK = 4  # --shuffle_buffer_size: texts per shuffled chunk of a stream
 RESUMED = re.compile(r"stream resumed at epoch (\d+), chunk (\d+), block (\d+): re-read (\d+) raw text")

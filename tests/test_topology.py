@@ -7,10 +7,8 @@ import itertools
 import json
 import math
 import os
-import random
 import re
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -31,17 +29,19 @@ from mlm_ddp.data.rank import rank_dataset
 from mlm_ddp.data.stream import shard_stream, stream_sharding
 from mlm_ddp.data.text import load_text
 from tests.conftest import (
+    CONFIGS,
+    LAUNCH,
     NO_DROPOUT,
     REPO,
     SAME_STEPS,
     corpus_paragraphs,
+    free_port,
     read_metrics,
     run_module,
     tiny_args,
     train_losses,
 )
 
-CONFIGS = REPO / "accelerate_configs"
 EXPECTED = {  # file -> (distributed type, runs on a CPU)
     "cpu.yaml": (DistributedType.NO, True),
     "cpu_ddp.yaml": (DistributedType.MULTI_GPU, True),  # + use_cpu: torchrun starts N CPU processes
@@ -50,38 +50,7 @@ EXPECTED = {  # file -> (distributed type, runs on a CPU)
     "multi_node.yaml": (DistributedType.MULTI_GPU, False),
     "fsdp.yaml": (DistributedType.FSDP, False),
 }
-LAUNCH = ["accelerate.commands.launch"]
 STEPS = 12
-
-
-HANDED_OUT: set[int] = set()  # free_port's picks in this process (a test run hands out a few dozen)
-
-
-def free_port() -> int:
-    """A free TCP port below the kernel's ephemeral range. A port from inside it (what binding port 0
-    gives) can be taken as some connection's source port before the process it is meant for binds it:
-    test_hang starts five 2-process runs at once, whose gloo connections did that on a loaded machine
-    (EADDRINUSE). Below the range only explicit binds compete: 10000-14999, under the ports Slurm jobs
-    derive (mlm_ddp.distributed.SLURM_PORT_BASE), never one this process handed out already."""
-    try:
-        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        low = 0
-    picks = random.Random()  # seeded from the OS: another pick in each process and call
-    for _ in range(100 if low > 11000 else 0):
-        port = picks.randrange(10000, min(low, distributed.SLURM_PORT_BASE))
-        if port in HANDED_OUT:
-            continue
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        HANDED_OUT.add(port)
-        return port
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch_with(config: str, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:

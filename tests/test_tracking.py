@@ -6,11 +6,11 @@ import importlib.util
 from pathlib import Path
 
 import pytest
-from conftest import read_metrics, tiny_args
 
 from mlm_ddp.config import parse_args
 from mlm_ddp.errors import BadInput
 from mlm_ddp.train import train
+from tests.conftest import read_metrics, tiny_args
 
 
 def logged(out: Path, key: str) -> dict[int, float]:
