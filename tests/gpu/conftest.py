@@ -1,0 +1,309 @@
+"""The GPU suite's frame: where it runs, what it builds, how it launches runs and how long it may take.
+
+Two modes:
+- on a CUDA GPU (`python -m pytest tests/gpu -v -s -rs`): every test at its GPU size;
+- the dry run on the CPU (`MLM_DDP_GPU_SUITE_ON_CPU=1 python -m pytest tests/gpu`): every test at a tiny
+  size, every fixture, launch, parse and comparison as on the GPU. Only the assertions that need CUDA
+  are not checked; each is named (`on_cuda`) and listed at the end. CI runs it (tests/test_gpu_suite.py).
+
+Elsewhere (no CUDA, no dry run) every test is skipped with one line. The suite needs torch, transformers,
+accelerate and `datasets`, nothing else of ours: the encoders are built from a config with the
+vocabulary shipped in tests/data, and a test that needs the pretrained all-MiniLM-L6-v2 skips without it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import REPO, corpus_paragraphs
+
+DRY_RUN = os.environ.get("MLM_DDP_GPU_SUITE_ON_CPU") == "1"
+ON_GPU = torch.cuda.is_available() and not DRY_RUN
+GPU_SUITE = Path(__file__).resolve().parent
+VOCAB = REPO / "tests" / "data" / "wordpiece-30522.txt"  # bert-base-uncased's WordPiece (Apache-2.0)
+
+# The suite's budget on one H100 and each test's expected seconds there (docs/gpu.md: how they were
+# estimated). The frame refuses a test without an estimate, and a suite over the budget.
+BUDGET_S = 480
+ESTIMATE_S = {
+    "test_the_frame_kills_a_launch_and_its_workers_at_the_timeout": 10,
+    "test_auto_picks_what_this_device_computes_natively": 2,
+    "test_16_bit_logits_stay_within_the_rounding_bound": 15,
+    "test_16_bit_trains_as_fp32_does": 60,
+    "test_the_pretrained_default_job_in_16_bit": 45,
+    "test_the_last_layer_subset_gives_the_full_loss_and_gradients": 5,
+    "test_the_hot_loop_syncs_once_per_optimizer_step": 20,
+    "test_fsdp2_with_a_fresh_head_saves_resumes_and_writes_final": 40,
+    "test_bert_base_throughput_against_the_hf_recipe": 70,
+    "test_minilm_bench_the_launch_bound_case": 30,
+    "test_side_by_side_against_run_mlm_no_trainer": 75,
+    "test_two_ranks_train_as_one": 100,
+}
+LAUNCH_TIMEOUT_S = 180  # the most one launched run may take; then its whole process tree is killed
+TEST_TIMEOUT_S = 300  # the most one test may take (several launches); the dry run's CPU gets the same
+
+# what one session of the suite left unchecked in the dry run: (test, assertion)
+UNCHECKED: list[tuple[str, str]] = []
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A BERT encoder's sizes (transformers' BertConfig names)."""
+
+    num_hidden_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    intermediate_size: int
+
+
+SHAPES = {
+    "minilm": Shape(6, 384, 12, 1536),  # all-MiniLM-L6-v2's shape
+    "bert-base": Shape(12, 768, 12, 3072),
+}
+DRY_SHAPE = Shape(2, 32, 2, 64)  # every shape in the dry run
+
+
+def pick(gpu, dry):
+    """The GPU's figure, or the dry run's."""
+    return dry if DRY_RUN else gpu
+
+
+def device() -> str:
+    return "cuda" if ON_GPU else "cpu"
+
+
+def on_cuda(request: pytest.FixtureRequest, what: str) -> bool:
+    """True on the GPU: check `what`. In the dry run: False, and `what` is listed as unchecked."""
+    if not ON_GPU:
+        UNCHECKED.append((request.node.name, what))
+    return ON_GPU
+
+
+def gpu_precisions() -> list[str]:
+    """The 16-bit formats this device trains in: fp16 and bf16 on a GPU of compute capability 8 or more,
+    fp16 alone before; bf16 in the dry run (a CPU's autocast)."""
+    if not ON_GPU:
+        return ["bf16"]
+    return ["fp16", "bf16"] if torch.cuda.get_device_capability(0)[0] >= 8 else ["fp16"]
+
+
+def gpu_count() -> int:
+    """GPUs for the two-rank tests; the dry run has two CPU processes."""
+    return torch.cuda.device_count() if ON_GPU else 2
+
+
+# --- encoders built from a config, with the shipped vocabulary ------------------------------------------
+
+
+def save_encoder(shape: Shape, root: Path, seed: int = 0) -> Path:
+    """A seeded BertModel of `shape` without an MLM head (as all-MiniLM-L6-v2 comes: the head starts
+    fresh when mlm_ddp loads it), and the 30,522-word uncased WordPiece tokenizer, saved in `root`."""
+    from transformers import AutoTokenizer, BertConfig, BertModel
+
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "vocab.txt").write_bytes(VOCAB.read_bytes())
+    (root / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "BertTokenizer",
+                                                            "do_lower_case": True, "model_max_length": 512}))
+    tokenizer = AutoTokenizer.from_pretrained(root)
+    assert tokenizer.is_fast and len(tokenizer) == 30522
+    tokenizer.save_pretrained(root)
+    config = BertConfig(vocab_size=len(tokenizer), max_position_embeddings=512, pad_token_id=tokenizer.pad_token_id,
+                        **vars(pick(shape, DRY_SHAPE)))
+    torch.manual_seed(seed)
+    BertModel(config).save_pretrained(root)
+    return root
+
+
+@pytest.fixture(scope="session")
+def encoders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """'minilm' and 'bert-base': config-built encoders (tiny in the dry run)."""
+    root = tmp_path_factory.mktemp("encoders")
+    return {name: save_encoder(shape, root / name) for name, shape in SHAPES.items()}
+
+
+def write_text(path: Path, tokens: int) -> Path:
+    """Real English (CPython's reference paragraphs), one per line, repeated until it holds at least
+    `tokens` words (about as many WordPiece tokens): a run that must not end an epoch gets enough."""
+    paragraphs = corpus_paragraphs()
+    lines, words = [], 0
+    while words < tokens:
+        for p in paragraphs:
+            lines.append(p)
+            words += len(p.split())
+            if words >= tokens:
+                break
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+@pytest.fixture(scope="session")
+def text(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """train.txt (every reference paragraph) and valid.txt (the first 60)."""
+    root = tmp_path_factory.mktemp("text")
+    paragraphs = corpus_paragraphs()
+    (root / "valid.txt").write_text("\n".join(paragraphs[:60]) + "\n")
+    (root / "train.txt").write_text("\n".join(paragraphs[60:]) + "\n")
+    return {"train": root / "train.txt", "valid": root / "valid.txt", "root": root}
+
+
+# --- launching runs -------------------------------------------------------------------------------------
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid`, from /proc. torchrun starts each worker in a session of its own, so
+    killing the launcher's process group leaves the workers holding the GPU."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL to `proc`'s process group and to every process below it, wherever their sessions."""
+    below = descendants(proc.pid)
+    for kill in (lambda: os.killpg(proc.pid, signal.SIGKILL), *(lambda p=p: os.kill(p, signal.SIGKILL) for p in below)):
+        try:
+            kill()
+        except (ProcessLookupError, PermissionError):
+            pass
+    proc.wait()
+
+
+def run_env(extra: dict | None = None) -> dict[str, str]:
+    """A run's environment: offline, unbuffered, and in the dry run on the CPU (no leaked device)."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    if DRY_RUN:
+        env.update(ACCELERATE_USE_CPU="true", CUDA_VISIBLE_DEVICES="")
+    else:
+        env.pop("ACCELERATE_USE_CPU", None)
+    return {**env, **(extra or {})}
+
+
+def launch(command: list[str], *, timeout: float = LAUNCH_TIMEOUT_S, env: dict | None = None,
+           cwd: Path = REPO) -> subprocess.CompletedProcess:
+    """Run `command` (`python -m` is put in front of a module name's list: command[0] without '/') in its
+    own session; at `timeout`, or when the test itself is stopped, its whole tree is killed."""
+    argv = command if "/" in command[0] else [sys.executable, "-m", *command]
+    proc = subprocess.Popen(argv, cwd=cwd, env=run_env(env), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_tree(proc)
+        # a process that escaped the kill would hold the pipes open: read what came, at most 10 s more
+        out, err = proc.communicate(timeout=10)
+        raise AssertionError(f"{' '.join(command[:6])} ... ran past {timeout:.0f} s; its processes were killed\n"
+                             f"{err[-3000:]}") from None
+    finally:
+        if proc.poll() is None:
+            kill_tree(proc)
+    return subprocess.CompletedProcess(argv, proc.returncode, out, err)
+
+
+START_LINE = re.compile(r"precision (\w+) \(.*\); device (\S+) \(")
+
+
+def assert_ran_on_device(log: str, precision: str) -> None:
+    """The run's start-up line says it trained on this suite's device in `precision`."""
+    found = START_LINE.findall(log)
+    assert found, f"no start-up line in the log:\n{log[-2000:]}"
+    for chosen, where in found:
+        assert where.startswith(device()), f"the run trained on {where}, not {device()}"
+        assert chosen == precision, f"the run trained in {chosen}, not {precision}"
+
+
+def train_run(out: Path, model: Path, text: dict[str, Path], *flags: str, precision: str = "no",
+              processes: int = 1, fsdp: bool = False, timeout: float = LAUNCH_TIMEOUT_S) -> str:
+    """One `mlm_ddp.train` run through `accelerate launch` on `processes` devices; its log (stderr)."""
+    from tests.conftest import CONFIGS, LAUNCH, free_port
+
+    if fsdp:
+        topology = ["--config_file", str(CONFIGS / "fsdp.yaml"), "--num_processes", str(processes)]
+    elif processes > 1:
+        topology = ["--multi_gpu", "--num_processes", str(processes)]
+    else:
+        topology = ["--num_processes", "1"]
+    threads = [] if ON_GPU else ["--num_cpu_threads_per_process", "1"]
+    proc = launch([*LAUNCH, *topology, *threads, "--main_process_port", str(free_port()), "-m", "mlm_ddp.train",
+                   "--model_name_or_path", str(model), "--train_file", str(text["train"]),
+                   "--validation_file", str(text["valid"]), "--output_dir", str(out), "--mixed_precision", precision,
+                   "--report", "false", *flags], timeout=timeout,
+                  env={"HF_DATASETS_CACHE": str(out.parent / f".cache-{out.name}")})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert_ran_on_device(proc.stderr, precision)
+    return proc.stderr
+
+
+# --- pytest hooks: skip where it cannot run, refuse what has no estimate, time out a test --------------
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    ours = [item for item in items if GPU_SUITE in Path(str(item.path)).parents]
+    if not ours:
+        return
+    reason = None
+    if not ON_GPU and not DRY_RUN:
+        reason = ("no CUDA GPU here: the GPU suite runs where one is (python -m pytest tests/gpu -v -s -rs), "
+                  "or dry on the CPU with MLM_DDP_GPU_SUITE_ON_CPU=1")
+    elif importlib.util.find_spec("datasets") is None:
+        reason = "`datasets` is not installed: docs/gpu.md lists the wheels to bring to an offline GPU machine"
+    if reason:
+        for item in ours:
+            item.add_marker(pytest.mark.skip(reason=reason))
+        return
+    missing = sorted({item.originalname for item in ours} - set(ESTIMATE_S))
+    if missing:
+        raise pytest.UsageError(f"tests/gpu/conftest.py ESTIMATE_S has no estimate for {', '.join(missing)}")
+    total = sum(ESTIMATE_S[name] for name in {item.originalname for item in ours})
+    where = torch.cuda.get_device_name(0) if ON_GPU else "the CPU (dry run, tiny sizes)"
+    print(f"\nGPU suite on {where}: {len(ours)} tests, estimated {total} s on one H100 (budget {BUDGET_S} s)")
+    if total > BUDGET_S:
+        raise pytest.UsageError(f"the GPU suite's estimates add up to {total} s, over its budget of {BUDGET_S} s")
+
+
+@pytest.fixture(autouse=True)
+def _time_limit(request: pytest.FixtureRequest):
+    """A test past TEST_TIMEOUT_S fails there (its launches are killed on the way out, `launch`)."""
+
+    def expire(signum, frame):
+        raise TimeoutError(f"{request.node.name} ran past {TEST_TIMEOUT_S} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, TEST_TIMEOUT_S)
+    started = time.monotonic()
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        print(f"\n[{request.node.name}: {time.monotonic() - started:.1f} s, "
+              f"estimated {ESTIMATE_S.get(request.node.originalname, '?')} s on one H100]")
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    if UNCHECKED:
+        terminalreporter.section("dry run: assertions that need CUDA, not checked on the CPU")
+        for test, what in UNCHECKED:
+            terminalreporter.write_line(f"UNCHECKED {test}: {what}")
