@@ -1,0 +1,107 @@
+"""The training step on the device: how often it waits for the GPU, the masked-only last layer, and FSDP2
+on one device with a fresh head."""
+
+from __future__ import annotations
+
+import traceback
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import NO_DROPOUT, SAME_STEPS, train_losses
+from tests.gpu.conftest import ON_GPU, device, gpu_precisions, on_cuda, pick, train_run
+
+# waits for the device per optimizer step on the steps that neither log, evaluate nor save: the read of
+# the step's all-reduce, once (tests/test_syncs.py counts the same on the CPU)
+SYNC_BUDGET = 1
+STEPS = 12
+
+
+def innermost_mlm_ddp_line() -> str:
+    frames = [f for f in traceback.extract_stack() if "/mlm_ddp/" in f.filename]
+    return f"{frames[-1].filename.rsplit('/mlm_ddp/', 1)[1]}:{frames[-1].lineno}" if frames else "outside mlm_ddp"
+
+
+def test_the_hot_loop_syncs_once_per_optimizer_step(request: pytest.FixtureRequest, encoders: dict[str, Path],
+                                                   text: dict[str, Path], tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """MiniLM's shape, accumulation 2, in the precision auto picks. On the GPU torch's sync debug mode
+    reports every wait (a scalar read, a data-dependent shape, a copy from pageable host memory); in the
+    dry run test_syncs' dispatch and function modes count the same operations."""
+    from mlm_ddp.config import parse_args
+    from mlm_ddp.train import Hooks, train
+    from tests.test_syncs import count_syncs, describe, waits
+
+    args = ["--model_name_or_path", str(encoders["minilm"]), "--train_file", str(text["train"]),
+            "--validation_file", str(text["valid"]), "--output_dir", str(tmp_path / "run"),
+            "--max_train_steps", str(STEPS), "--gradient_accumulation_steps", "2", "--logging_steps", "1000",
+            "--per_device_train_batch_size", str(pick(32, 8)), "--max_seq_length", str(pick(128, 32)),
+            "--max_eval_samples", str(pick(64, 16)), "--mixed_precision", gpu_precisions()[-1], "--report", "false"]
+    if not on_cuda(request, "torch.cuda.set_sync_debug_mode counts the waits (the dry run: tests/test_syncs' modes)"):
+        monkeypatch.setenv("ACCELERATE_USE_CPU", "true")
+        steps = waits(count_syncs(args), STEPS)
+    else:
+        where: list[tuple[int, str]] = []  # (step, the mlm_ddp line that waited)
+        step_now = [0]
+
+        def record(message, category, filename, lineno, file=None, line=None) -> None:
+            if "synchroniz" in str(message):
+                where.append((step_now[0], innermost_mlm_ddp_line()))
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = record
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                train(parse_args(args), Hooks(on_beat=lambda beat: step_now.__setitem__(0, beat.step)))
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+        steps = {step: [line for at, line in where if at == step] for step in range(2, STEPS)}
+    print(f"waits for the device per optimizer step on {device()}, accumulation 2, steps 2-{STEPS - 1}: "
+          f"{describe(steps)}")
+    assert all(len(v) == SYNC_BUDGET for v in steps.values()), describe(steps)
+
+
+def test_the_last_layer_subset_gives_the_full_loss_and_gradients(request: pytest.FixtureRequest) -> None:
+    """fp32 with TF32 off: the same sums as the full layer in another order (cuBLAS picks kernels by
+    shape), so 1e-5 as on the CPU."""
+    from mlm_ddp.model import MaskedLMLoss
+    from tests.test_fast_paths import loss_and_grads
+    from tests.test_model import batch, tiny
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model = tiny("bert").eval().to(device())
+    subset, full = MaskedLMLoss(model, last_layer_subset=True), MaskedLMLoss(model)
+    for seed in range(3):
+        b = {k: v.to(device()) for k, v in batch(seed, (8, 40)).items()}
+        (stats_s, g_s), (stats_f, g_f) = loss_and_grads(subset, b), loss_and_grads(full, b)
+        torch.testing.assert_close(stats_s, stats_f, rtol=1e-5, atol=0)
+        scale = max(float(g.abs().max()) for g in g_f.values())
+        for name in g_f:
+            torch.testing.assert_close(g_s[name], g_f[name], rtol=1e-5, atol=1e-6 * scale, msg=name)
+    assert next(model.parameters()).device.type == device()
+
+
+def test_fsdp2_with_a_fresh_head_saves_resumes_and_writes_final(encoders: dict[str, Path], text: dict[str, Path],
+                                                               tmp_path: Path) -> None:
+    """accelerate_configs/fsdp.yaml on one device in the 16-bit format it trains in: a sharded checkpoint
+    at step 3 and a resume from it give the straight run's losses; final/ fills masks."""
+    from transformers import pipeline
+
+    precision = gpu_precisions()[-1]
+    flags = ["--lr_scheduler_type", "constant", *NO_DROPOUT, "--logging_steps", "1",
+             "--per_device_train_batch_size", str(pick(16, 8)), "--max_seq_length", str(pick(128, 32)),
+             "--max_eval_samples", str(pick(64, 16)), "--max_train_steps", "6"]
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    log = train_run(straight, encoders["minilm"], text, *flags, "--checkpointing_steps", "3", precision=precision,
+                    fsdp=True)
+    assert "DistributedType.FSDP" in log and "has no trained MLM head" in log
+    assert (straight / "checkpoints" / "step-0000003" / "pytorch_model_fsdp_0").is_dir()
+    train_run(resumed, encoders["minilm"], text, *flags, "--resume_from_checkpoint",
+              str(straight / "checkpoints" / "step-0000003"), precision=precision, fsdp=True)
+    a, b = train_losses(straight), train_losses(resumed)
+    assert sorted(b) == [4, 5, 6] and max(abs(a[s] - b[s]) / a[s] for s in b) <= SAME_STEPS
+    fill = pipeline("fill-mask", model=str(resumed / "final"), device=0 if ON_GPU else -1)
+    assert len(fill("the [MASK] of the function", top_k=3)) == 3
