@@ -13,7 +13,7 @@ vocabulary shipped in tests/data, and a test that needs the pretrained all-MiniL
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import json
 import os
 import re
@@ -259,6 +259,14 @@ def train_run(out: Path, model: Path, text: dict[str, Path], *flags: str, precis
 # --- pytest hooks: skip where it cannot run, refuse what has no estimate, time out a test --------------
 
 
+def importable(module: str) -> bool:
+    try:
+        importlib.import_module(module)
+    except ImportError:
+        return False
+    return True
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     ours = [item for item in items if GPU_SUITE in Path(str(item.path)).parents]
     if not ours:
@@ -267,7 +275,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if not ON_GPU and not DRY_RUN:
         reason = ("no CUDA GPU here: the GPU suite runs where one is (python -m pytest tests/gpu -v -s -rs), "
                   "or dry on the CPU with MLM_DDP_GPU_SUITE_ON_CPU=1")
-    elif importlib.util.find_spec("datasets") is None:
+    elif not importable("datasets"):
         reason = "`datasets` is not installed: docs/gpu.md lists the wheels to bring to an offline GPU machine"
     if reason:
         for item in ours:
