@@ -55,6 +55,9 @@ def run_bench(model: Path, batch: int, seq: int) -> dict[str, Any]:
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["bench"] == "mlm_ddp" and (result["config"]["batch"], result["config"]["seq"]) == (batch, seq)
+    # it ran where the suite runs, in the precision asked for: a leaked ACCELERATE_USE_CPU fails here
+    where = torch.cuda.get_device_name(0) if ON_GPU else "cpu"
+    assert result["device"].startswith(where) and result["config"]["precision"] == PRECISION, result["device"]
     return result
 
 
