@@ -24,6 +24,7 @@ from accelerate.logging import get_logger
 
 from mlm_ddp import checkpoint as ckpt
 from mlm_ddp import data as mdata
+from mlm_ddp import st_files
 from mlm_ddp.collectives import MainProcessWait
 from mlm_ddp.config import Config
 from mlm_ddp.durable import write_atomic
@@ -242,6 +243,7 @@ class RunFolder:
         whatever the resume source; find the checkpoint and check that this run may continue it (the same
         settings and global batch; a stream on another number of processes goes on at the next epoch,
         `stream_bytes`: what its local files hold, or None). Nothing is written."""
+        st_files.check(self.cfg.model)  # final/ must be writable whole: refuse damaged pipeline files now
         path, clear_earlier, own = self._folder_plan()
         if path is None:
             fresh = ckpt.TrainerState(step=0, epoch=0, batch_in_epoch=0, tokens_seen=0, world_size=world_size)
@@ -351,8 +353,8 @@ class RunFolder:
 
     def save_final(self, accelerator: Accelerator, wait: MainProcessWait, model: Any, tokenizer: Any,
                    card: str) -> Path:
-        """save_pretrained model + tokenizer and the model card (README.md) into final/, via a
-        temporary folder renamed at the end."""
+        """save_pretrained model + tokenizer, the model card (README.md) and a sentence-transformers
+        source's pipeline files (st_files.py) into final/, via a temporary folder renamed at the end."""
         final, tmp = self.path / "final", self.path / ".tmp-final"
         wait.barrier()
         weights = accelerator.get_state_dict(model)  # every rank: FSDP gathers the shards to rank 0
@@ -363,6 +365,7 @@ class RunFolder:
             inner.save_pretrained(tmp, state_dict=inner_state_dict(weights), safe_serialization=True)
             tokenizer.save_pretrained(tmp)
             (tmp / "README.md").write_text(card)
+            st_files.copy_into(self.cfg.model, tmp)  # a sentence-transformers source's pipeline files
             if final.exists():
                 shutil.rmtree(final)
             tmp.rename(final)
@@ -414,5 +417,5 @@ def model_card(cfg: Config, steps: int, tokens: int, eval_before: dict[str, floa
     return (f"---\n{yaml.safe_dump(meta, sort_keys=False)}---\n\n# {Path(cfg.run.output_dir).resolve().name}\n\n"
             f"{origin} on {source}, trained with mlm_ddp.\n\n"
             f"| | |\n| --- | --- |\n{table}\n\n## Use\n\n```python\nfrom transformers import pipeline\n\n"
-            f"fill = pipeline(\"fill-mask\", model=\"PATH_OR_REPO\")\n```\n\n## Training command\n\n"
-            f"```\n{cfg.command_line()}\n```\n")
+            f"fill = pipeline(\"fill-mask\", model=\"PATH_OR_REPO\")\n```\n\n{st_files.card_line(model)}"
+            f"## Training command\n\n```\n{cfg.command_line()}\n```\n")
