@@ -1,0 +1,318 @@
+"""`python -m mlm_ddp.probe MODEL [MODEL ...] --train_file F --test_file F`: how well a model's features
+serve a labeled task, before and after MLM training.
+
+linear (the default), as MTEB's classification tasks: each text becomes the model's pooled last hidden
+states (its own sentence-transformers pooling where the checkpoint has one, else the mean over its
+tokens), computed once; then for each seed the training set is undersampled to at most
+--max_train_per_label texts per label, standardised, and a logistic regression is fit and scored on
+the whole test set. finetune: a fresh sequence classifier fine-tuned from the model on the same
+subsamples. Every model gets the same splits, seeds and subsamples, so their figures compare, seed by
+seed. A table, then one JSON line: model -> its figures.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import torch
+from transformers import HfArgumentParser, PreTrainedModel
+
+from mlm_ddp.config import _doc
+from mlm_ddp.data.text import _builder_for, _load, check_columns
+from mlm_ddp.errors import BadInput
+from mlm_ddp.probe_features import (
+    FinetuneRecipe,
+    Pooling,
+    encode,
+    finetune,
+    finetune_source,
+    load_encoder,
+    own_random_state,
+    sequence_length,
+)
+
+PROG = "mlm_ddp.probe"
+MAX_LABELS = 1000  # more distinct labels than this (or than half the rows) is a text column, not classes
+LOGREG_MAX_ITER = 1000  # MTEB's 100 can stop lbfgs short of the optimum on 384-768 features; 1000 converges
+SHOWN = 5  # unseen labels named in the message
+
+
+@dataclass
+class ProbeConfig:
+    """The labeled task and how to probe with it. Defaults: MTEB's classification protocol (linear) and
+    BERT's GLUE recipe (finetune, Devlin et al. 2019, section 4.1 and appendix A.3)."""
+
+    train_file: str | None = _doc("Labeled training texts: a csv, json, jsonl or parquet file.", default=None)
+    test_file: str | None = _doc("Labeled test texts, scored whole: a csv, json, jsonl or parquet file.",
+                                 default=None)
+    dataset_name: str | None = _doc("Instead of the files: a `datasets` name or local dataset folder (read "
+                                    "offline where it is cached) with --train_split and --test_split.", default=None)
+    dataset_config_name: str | None = _doc("The dataset's configuration, if it has several.", default=None)
+    train_split: str = _doc("--dataset_name's split to train on.", default="train")
+    test_split: str = _doc("--dataset_name's split to score.", default="test")
+    text_column: str = _doc("Column holding the texts.", default="text")
+    label_column: str = _doc("Column holding the class labels (strings or integers).", default="label")
+    max_train_per_label: int = _doc(
+        "Training texts per label in each seed's subsample, drawn at random (MTEB's samples_per_label: 8); 0: "
+        "the whole training set. With finetune, 8 per label is a few optimizer steps: raise it.", default=8)
+    seeds: int = _doc("Seeds 0..N-1: subsamples (and fine-tunes) whose scores are averaged (MTEB's n_experiments: "
+                      "10).", default=10)
+    mode: Literal["linear", "finetune"] = _doc(
+        "linear: frozen features + logistic regression; finetune: train a sequence classifier.", default="linear")
+    pooling: Literal["auto", "mean", "cls", "max"] = _doc(
+        "linear's features: auto = the checkpoint's sentence-transformers pooling (modules.json) if it has one, "
+        "else mean. Name one to pool every model alike (no normalisation).", default="auto")
+    batch_size: int = _doc("Texts per forward pass, and finetune's batch (BERT's GLUE batch: 32).", default=32)
+    max_seq_length: int | None = _doc("Tokens per text; longer texts are cut. Default: the checkpoint's "
+                                      "sentence-transformers length, else the model's, at most 512.", default=None)
+    learning_rate: float = _doc("finetune's peak AdamW learning rate (BERT's GLUE grid: 2e-5..5e-5; the top, as "
+                                "the probe's training sets are small), linear decay after 10% warm-up.", default=5e-5)
+    epochs: int = _doc("finetune's epochs over each subsample (BERT's GLUE recipe: 3).", default=3)
+
+    def __post_init__(self) -> None:
+        for name in ("seeds", "batch_size", "epochs"):
+            if getattr(self, name) < 1:
+                raise BadInput(f"--{name} must be at least 1, got {getattr(self, name)}")
+        if self.max_train_per_label < 0:
+            raise BadInput(f"--max_train_per_label must be >= 0 (0: all), got {self.max_train_per_label}")
+        if self.learning_rate <= 0:
+            raise BadInput(f"--learning_rate must be positive, got {self.learning_rate}")
+        if self.max_seq_length is not None and self.max_seq_length < 2:
+            raise BadInput(f"--max_seq_length must be at least 2 (the special tokens), got {self.max_seq_length}")
+
+
+@dataclass
+class ProbeData:
+    """Both splits, labels as class numbers: classes[k] is the label of number k."""
+
+    train_texts: list[str]
+    train_labels: np.ndarray  # (N_train,) int64
+    test_texts: list[str]
+    test_labels: np.ndarray  # (N_test,) int64
+    classes: list[Any]
+
+
+def read_split(cfg: ProbeConfig, split: Literal["train", "test"]) -> tuple[list[str], list[Any], str]:
+    """(texts, labels, where) of one split, every column and value checked."""
+    if cfg.dataset_name is not None:
+        if cfg.train_file or cfg.test_file:
+            raise BadInput("give either --dataset_name or --train_file and --test_file, not both")
+        name = cfg.train_split if split == "train" else cfg.test_split
+        where, flag = f"dataset {cfg.dataset_name!r}, split {name!r}", f"--dataset_name {cfg.dataset_name}"
+        splits = read(lambda: _load(cfg.dataset_name, cfg.dataset_config_name, None, False, flag), flag)
+        if name not in splits:
+            raise BadInput(f"dataset {cfg.dataset_name!r} has no split {name!r}; splits found: {', '.join(splits)}. "
+                           f"Pass --{split}_split with one of them.")
+        ds = splits[name]
+    else:
+        path = cfg.train_file if split == "train" else cfg.test_file
+        if path is None:
+            raise BadInput(f"no --{split}_file given: pass --train_file and --test_file (csv, json, jsonl or "
+                           "parquet), or --dataset_name")
+        flag = where = f"--{split}_file {path}"
+        builder = _builder_for(path, f"--{split}_file")  # a missing or empty file is named here
+        ds = read(lambda: _load(builder, None, {"train": path}, False, flag), flag)["train"]
+    check_columns(ds.column_names, cfg.text_column, where)
+    if cfg.label_column not in ds.column_names:
+        raise BadInput(f"{where}: no label column {cfg.label_column!r}; columns found: {', '.join(ds.column_names)}. "
+                       "Pass --label_column with one of them.")
+    if len(ds) == 0:
+        raise BadInput(f"{where}: holds no rows")
+    labels = ds[cfg.label_column]
+    missing = sum(label is None for label in labels)
+    if missing:
+        raise BadInput(f"{where}: {missing} of {len(labels)} rows have no {cfg.label_column!r}; label them or drop "
+                       "them")
+    if not all(isinstance(label, str | int | float) for label in labels):
+        kind = next(type(label).__name__ for label in labels if not isinstance(label, str | int | float))
+        raise BadInput(f"{where}: column {cfg.label_column!r} holds {kind} values; the probe takes one class label "
+                       "(a string or an integer) per text")
+    texts = ["" if text is None else str(text) for text in ds[cfg.text_column]]
+    return texts, labels, where
+
+
+def read(load: Any, flag: str) -> dict:
+    from datasets.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
+
+    quiet = are_progress_bars_disabled()
+    disable_progress_bars()  # a probe's files are small: a bar per split only hides the error line
+    try:
+        return load()
+    except BadInput as err:
+        # datasets' word for a file of headers only (a csv) or no records: it builds a split of no rows
+        if "corresponds to no data" in str(err.__cause__):
+            raise BadInput(f"{flag}: holds no rows") from err
+        raise
+    except Exception as err:  # noqa: BLE001 - the csv, json and parquet readers each raise their own types
+        raise BadInput(f"{flag}: cannot be read ({type(err).__name__}: {str(err)[:300]})") from err
+    finally:
+        if not quiet:
+            enable_progress_bars()
+
+
+def load_probe_data(cfg: ProbeConfig) -> ProbeData:
+    """Both splits, read and checked; every problem a one-line BadInput. No model is loaded."""
+    train_texts, train_labels, train_where = read_split(cfg, "train")
+    test_texts, test_labels, test_where = read_split(cfg, "test")
+    counts: dict[Any, int] = {}
+    for label in train_labels:
+        counts[label] = counts.get(label, 0) + 1
+    limit = min(MAX_LABELS, len(train_labels) / 2)
+    if len(counts) > limit:
+        raise BadInput(f"{train_where}: column {cfg.label_column!r} has {len(counts)} distinct values in "
+                       f"{len(train_labels)} rows (more than min({MAX_LABELS}, half the rows)): free text, not class "
+                       "labels. Pass --label_column with the column of classes.")
+    if len(counts) == 1:
+        raise BadInput(f"{train_where}: every row has the label {next(iter(counts))!r}: a classifier needs at "
+                       f"least two labels; check --label_column {cfg.label_column!r}")
+    classes = sorted(counts, key=lambda v: (type(v).__name__, v))
+    number = {label: k for k, label in enumerate(classes)}
+    unseen = sorted({label for label in test_labels if label not in number}, key=repr)
+    if unseen:
+        more = f" (and {len(unseen) - SHOWN} more)" if len(unseen) > SHOWN else ""
+        raise BadInput(f"{test_where}: labels not in the training set: {', '.join(map(repr, unseen[:SHOWN]))}{more}; "
+                       f"the training labels are {', '.join(map(repr, classes[:SHOWN]))}"
+                       f"{' ...' if len(classes) > SHOWN else ''}. A classifier cannot predict a class it never saw: "
+                       "add examples of them to the training set or drop them from the test set.")
+    return ProbeData(train_texts, np.array([number[v] for v in train_labels], dtype=np.int64),
+                     test_texts, np.array([number[v] for v in test_labels], dtype=np.int64), classes)
+
+
+def check_probe_data(cfg: ProbeConfig) -> None:
+    """Preflight: raise BadInput for anything wrong with the probe's data, without loading a model."""
+    load_probe_data(cfg)
+
+
+def subsample(labels: np.ndarray, per_label: int, seed: int) -> np.ndarray:
+    """Sorted indices of at most `per_label` rows of each label, drawn at random (0: all rows). As MTEB's
+    undersampling: a seeded permutation, then the first rows of each label in it."""
+    if per_label == 0:
+        return np.arange(len(labels))
+    shuffled = np.random.default_rng(seed).permutation(len(labels))
+    grouped = shuffled[np.argsort(labels[shuffled], kind="stable")]  # by label, each label's rows still shuffled
+    group_start = np.searchsorted(labels[grouped], labels[grouped], side="left")
+    return np.sort(grouped[np.arange(len(grouped)) - group_start < per_label])
+
+
+def pooling_for(cfg: ProbeConfig, folder: str | Path | None) -> Pooling:
+    """--pooling auto: the checkpoint's own; a named one: that, for every model alike."""
+    own = Pooling.from_folder(folder)
+    if cfg.pooling == "auto":
+        return own
+    return Pooling((cfg.pooling,), False, own.max_seq_length, "--pooling")
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def spread(values: list[float]) -> float:
+    """The sample standard deviation over seeds; 0 for one seed."""
+    return statistics.stdev(values) if len(values) > 1 else 0.0
+
+
+def probe(model: str | Path | PreTrainedModel, tokenizer: Any, cfg: ProbeConfig, device: torch.device | None = None,
+          data: ProbeData | None = None, pooling: Pooling | None = None) -> dict[str, Any]:
+    """The figures of one model: a folder or Hub name (tokenizer None: its own), or a transformers model in
+    memory with its tokenizer (pass the base checkpoint's `pooling_for(cfg, base_folder)` to pool it alike).
+    `data`: load_probe_data(cfg), to read the files once for several models. A model in memory keeps its
+    weights and its train/eval mode, and ends on `device` (finetune trains copies); the random state of torch
+    is as it was. Call it on one process, with the model unwrapped (not DDP, not sharded)."""
+    data = data if data is not None else load_probe_data(cfg)
+    device = device if device is not None else default_device()
+    with own_random_state(device):  # a fresh pooler or head, finetune's seeds: none of it moves training's RNG
+        return probe_in(model, tokenizer, cfg, device, data, pooling)
+
+
+def probe_in(model: str | Path | PreTrainedModel, tokenizer: Any, cfg: ProbeConfig, device: torch.device,
+             data: ProbeData, pooling: Pooling | None) -> dict[str, Any]:
+    from sklearn.linear_model import LogisticRegression  # scikit-learn is only needed by the probe
+    from sklearn.metrics import accuracy_score, f1_score
+    from sklearn.pipeline import make_pipeline
+    from sklearn.preprocessing import StandardScaler
+
+    folder = None if isinstance(model, PreTrainedModel) else str(model)
+    pooling = pooling if pooling is not None else pooling_for(cfg, folder)
+    seeds = list(range(cfg.seeds))
+    samples = [subsample(data.train_labels, cfg.max_train_per_label, seed) for seed in seeds]
+    predictions, extra = [], {}
+    if cfg.mode == "linear":
+        if folder is not None:
+            model, own = load_encoder(folder)
+            tokenizer = tokenizer or own
+        length = sequence_length(cfg.max_seq_length, pooling, model.config, tokenizer)
+        needed = np.unique(np.concatenate(samples))  # the training rows any seed uses: each embedded once
+        train_x = encode(model, tokenizer, [data.train_texts[i] for i in needed], pooling, cfg.batch_size, length,
+                         device, "train features")
+        test_x = encode(model, tokenizer, data.test_texts, pooling, cfg.batch_size, length, device, "test features")
+        for seed, sample in zip(seeds, samples, strict=True):
+            # standardised as the scaler learns from this seed's training rows only; lbfgs, multinomial
+            classifier = make_pipeline(StandardScaler(),
+                                       LogisticRegression(max_iter=LOGREG_MAX_ITER, random_state=seed))
+            classifier.fit(train_x[np.searchsorted(needed, sample)], data.train_labels[sample])
+            predictions.append(classifier.predict(test_x))
+        extra["pooling"] = pooling.describe()
+    else:
+        losses = []
+        with tempfile.TemporaryDirectory(prefix="mlm_ddp_probe_") as scratch:
+            source, tokenizer, model_config = finetune_source(model if folder is None else folder, tokenizer,
+                                                              Path(scratch))
+            length = sequence_length(cfg.max_seq_length, pooling, model_config, tokenizer)
+            recipe = FinetuneRecipe(cfg.learning_rate, cfg.epochs, cfg.batch_size, length)
+            for seed, sample in zip(seeds, samples, strict=True):
+                predicted, epoch_losses = finetune(source, tokenizer, [data.train_texts[i] for i in sample],
+                                                   data.train_labels[sample], len(data.classes), data.test_texts,
+                                                   recipe, seed, device)
+                predictions.append(predicted)
+                losses.append(epoch_losses)
+        extra["epoch_loss"] = [float(np.mean(epoch)) for epoch in zip(*losses, strict=True)]  # mean over seeds
+    accuracy = [float(accuracy_score(data.test_labels, p)) for p in predictions]
+    macro_f1 = [float(f1_score(data.test_labels, p, average="macro", zero_division=0.0)) for p in predictions]
+    majority = int(np.bincount(data.train_labels).argmax())  # of the whole training set, not a balanced subsample
+    return {
+        "accuracy": statistics.fmean(accuracy), "accuracy_std": spread(accuracy),
+        "macro_f1": statistics.fmean(macro_f1), "macro_f1_std": spread(macro_f1),
+        "majority_accuracy": float(np.mean(data.test_labels == majority)),
+        "n_train": len(samples[0]), "n_test": len(data.test_texts), "seeds": cfg.seeds, "mode": cfg.mode,
+        "n_labels": len(data.classes), "accuracy_per_seed": accuracy, "macro_f1_per_seed": macro_f1, **extra,
+    }
+
+
+def format_table(results: dict[str, dict[str, Any]]) -> str:
+    header = ("model", "mode", "features", "accuracy", "macro-F1", "majority", "train/test")
+    rows = [header] + [(
+        name, r["mode"], r.get("pooling", "classifier"), f"{r['accuracy']:.4f} ± {r['accuracy_std']:.4f}",
+        f"{r['macro_f1']:.4f} ± {r['macro_f1_std']:.4f}", f"{r['majority_accuracy']:.4f}",
+        f"{r['n_train']}/{r['n_test']}") for name, r in results.items()]
+    widths = [max(len(row[c]) for row in rows) for c in range(len(header))]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = HfArgumentParser(ProbeConfig, prog=PROG, description=__doc__.split("\n")[0], allow_abbrev=False)
+    parser.add_argument("models", nargs="+", metavar="MODEL",
+                        help="model folder, Hub name, a run's final/ or checkpoints/step-N folder")
+    try:
+        cfg, positional = parser.parse_args_into_dataclasses(args=argv)
+        data = load_probe_data(cfg)  # every data problem is found before any model is loaded
+        device = default_device()
+        results = {name: probe(name, None, cfg, device, data) for name in positional.models}
+    except BadInput as err:
+        sys.stderr.write(err.line(PROG) + "\n")  # one write: the line arrives whole
+        return err.exit_code
+    print(format_table(results))
+    print(json.dumps({name: {k: v for k, v in r.items() if not k.endswith("_per_seed")} | {
+        "per_seed": {"accuracy": r["accuracy_per_seed"], "macro_f1": r["macro_f1_per_seed"]}}
+        for name, r in results.items()}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
