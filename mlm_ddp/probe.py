@@ -206,7 +206,7 @@ def pooling_for(cfg: ProbeConfig, folder: str | Path | None) -> Pooling:
     own = Pooling.from_folder(folder)
     if cfg.pooling == "auto":
         return own
-    return Pooling((cfg.pooling,), False, own.max_seq_length, "--pooling")
+    return Pooling((cfg.pooling,), False, own.max_seq_length)
 
 
 def default_device() -> torch.device:

@@ -46,7 +46,6 @@ class Pooling:
     modes: tuple[str, ...] = ("mean",)  # concatenated in this order, as sentence-transformers does
     normalize: bool = False  # L2-normalise the pooled vector (a `Normalize` module in modules.json)
     max_seq_length: int | None = None  # sentence_bert_config.json's; None: the longest the model takes
-    source: str = "mean over non-padding tokens"
 
     def describe(self) -> str:
         return "+".join(self.modes) + (" normalized" if self.normalize else "")
@@ -86,7 +85,7 @@ class Pooling:
         if others:  # e.g. a Dense projection: the probe reads the pooled vector before it
             say(f"mlm_ddp.probe: warning: {path}: modules {', '.join(others)} are not applied; the probe uses the "
                 "pooled hidden states")
-        return cls(modes, "Normalize" in kinds, int(longest) if longest else None, f"{path.name}/modules.json")
+        return cls(modes, "Normalize" in kinds, int(longest) if longest else None)
 
 
 def pool(hidden: torch.Tensor, mask: torch.Tensor, pooling: Pooling) -> torch.Tensor:

@@ -26,8 +26,8 @@ import pytest
 import torch
 
 from mlm_ddp.errors import BadInput
-from mlm_ddp.probe import ProbeConfig, check_probe_data, load_probe_data, main, probe, subsample
-from mlm_ddp.probe_features import Pooling, encode, load_encoder, pool
+from mlm_ddp.probe import ProbeConfig, check_probe_data, load_probe_data, main, pooling_for, probe, subsample
+from mlm_ddp.probe_features import Pooling, encode, finetune_source, load_encoder, pool
 
 REPO = Path(__file__).resolve().parents[1]
 N_TEST, CHANCE_SD = 400, 0.5 / 400**0.5
@@ -119,6 +119,18 @@ def test_a_model_in_memory_scores_as_its_folder_and_is_left_as_it_came(tiny_mode
     assert in_memory == probe(str(tiny_model), None, cfg, CPU, data)
 
 
+def test_finetune_starts_from_the_weights_in_memory(tiny_model: Path, tmp_path: Path) -> None:
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer, BertForMaskedLM
+
+    model = BertForMaskedLM.from_pretrained(tiny_model)
+    with torch.no_grad():
+        model.bert.embeddings.word_embeddings.weight.add_(1.0)  # trained in memory: no folder holds these weights
+    source, _, config = finetune_source(model, AutoTokenizer.from_pretrained(tiny_model), tmp_path)
+    classifier = AutoModelForSequenceClassification.from_pretrained(source, num_labels=2)
+    assert torch.equal(classifier.bert.embeddings.word_embeddings.weight, model.bert.embeddings.word_embeddings.weight)
+    assert config.vocab_size == 600
+
+
 def test_finetune_trains_and_reports(tiny_model: Path, task: dict) -> None:
     # measured: 64 per label, batch 16, lr 3e-3: the loss goes 0.69 -> 0.01 in 10 epochs, 1.0 accuracy
     cfg = ProbeConfig(train_file=str(task["train"]), test_file=str(task["test"]), mode="finetune", seeds=1,
@@ -153,6 +165,7 @@ def test_sentence_transformers_pooling_is_honoured(tiny_fresh_head: Path, tmp_pa
     folder = write_sentence_transformer(tiny_fresh_head, tmp_path / "st", legacy)
     pooling = Pooling.from_folder(folder)
     assert (pooling.modes, pooling.normalize, pooling.max_seq_length) == (("cls",), True, 24)
+    assert pooling_for(ProbeConfig(pooling="max"), folder) == Pooling(("max",), False, 24)  # every model alike
     texts = ["the value of the list", "a", " ".join(["the object is called"] * 12)]  # the last one is cut at 24
     model, tokenizer = load_encoder(str(folder))
     mine = encode(model, tokenizer, texts, pooling, 2, 24, CPU)
