@@ -1,5 +1,6 @@
-"""`python -m mlm_ddp.probe MODEL [MODEL ...] --train_file F --test_file F`: how well a model's features
-serve a labeled task, before and after MLM training.
+"""`python -m mlm_ddp.probe MODEL [MODEL ...] --train_file F --test_file F`: models scored on a labeled task.
+
+What it measures: how well a model's features serve a labeled task, before and after MLM training.
 
 linear (the default), as MTEB's classification tasks: each text becomes the model's pooled last hidden
 states (its own sentence-transformers pooling where the checkpoint has one, else the mean over its
@@ -73,7 +74,7 @@ class ProbeConfig:
     max_seq_length: int | None = _doc("Tokens per text; longer texts are cut. Default: the checkpoint's "
                                       "sentence-transformers length, else the model's, at most 512.", default=None)
     learning_rate: float = _doc("finetune's peak AdamW learning rate (BERT's GLUE grid: 2e-5..5e-5; the top, as "
-                                "the probe's training sets are small), linear decay after 10% warm-up.", default=5e-5)
+                                "the probe's training sets are small), linear decay after 10%% warm-up.", default=5e-5)
     epochs: int = _doc("finetune's epochs over each subsample (BERT's GLUE recipe: 3).", default=3)
 
     def __post_init__(self) -> None:

@@ -259,6 +259,12 @@ def test_bad_input_is_one_line_and_exit_2_before_any_model_loads(case: str, tmp_
     assert len(lines) == 1 and lines[0].startswith("mlm_ddp.probe: error: ") and says in lines[0], captured.err
 
 
+def test_help_lists_the_flags(capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit) as ended:
+        main(["--help"])
+    assert ended.value.code == 0 and "--max_train_per_label" in capsys.readouterr().out
+
+
 def test_check_probe_data_is_the_preflight(task: dict, tmp_path: Path) -> None:
     check_probe_data(ProbeConfig(train_file=str(task["train"]), test_file=str(task["test"])))
     with pytest.raises(BadInput, match="labels not in the training set"):
