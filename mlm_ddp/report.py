@@ -245,6 +245,9 @@ def facts(run: Run) -> dict[str, str]:
         "perplexity": first_last("perplexity", "{:.2f}".format),
         "best perplexity": f"{perplexities[best]:.2f} at step {steps[best]}" if best is not None else "-",
         "eval accuracy": first_last("eval_accuracy", "{:.3f}".format),
+        # before training -> on final/ (probing.py), beside perplexity: did the adaptation help the task?
+        "downstream probe accuracy": first_last("probe_accuracy", "{:.4f}".format),
+        "downstream probe macro-F1": first_last("probe_macro_f1", "{:.4f}".format),
         "loss spikes": (", ".join(f"{count} {kind.replace('_', ' ')}" for kind, count in spikes.items())
                         if (spikes := (run.summary or {}).get("loss_spikes")) else "-"),
     }
@@ -258,6 +261,9 @@ def summary_text(runs: Sequence[Run], labels: Sequence[str]) -> str:
         lines.append(f"  {f['steps']} steps, {f['tokens']} tokens, {f['tokens/s']} tokens/s, wall {f['wall time']}")
         lines.append(f"  train loss {f['train loss']}; eval loss {f['eval loss']}, perplexity {f['perplexity']} "
                      f"(best {f['best perplexity']}), accuracy {f['eval accuracy']}")
+        if f["downstream probe accuracy"] != "-":
+            lines.append(f"  downstream probe accuracy {f['downstream probe accuracy']}, macro-F1 "
+                         f"{f['downstream probe macro-F1']}")
     return "\n".join(lines)
 
 
@@ -275,7 +281,7 @@ def table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
 
 def page(runs: Sequence[Run], labels: Sequence[str], flags: Sequence[str], images: Sequence[str]) -> str:
     columns = ["status", "steps", "tokens", "tokens/s", "wall time", "train loss", "eval loss", "perplexity",
-               "best perplexity", "eval accuracy"]
+               "best perplexity", "eval accuracy", "downstream probe accuracy", "downstream probe macro-F1"]
     parts = [f"<!DOCTYPE html>\n{MARKER}\n<html><head><meta charset='utf-8'><title>mlm_ddp report: "
              f"{html.escape(', '.join(r.name for r in runs))}</title><style>{CSS}</style></head><body>",
              "<h1>mlm_ddp run report</h1>",

@@ -53,6 +53,9 @@ RESUMABLE_CHANGES = {
     "data.preprocessing_num_workers", "model.mlm_head", "model.fsdp_wrap_classes", "training.optimizer_impl",
     "training.torch_compile", "run.push_to_hub", "run.hub_model_id", "run.hub_token", "data.overwrite_cache",
     "model.trust_remote_code", "model.low_cpu_mem_usage", "model.gradient_checkpointing",
+    # the downstream probe reads the model; it changes nothing a step computes
+    "run.probe_train_file", "run.probe_test_file", "run.probe_text_column", "run.probe_label_column",
+    "run.probe_mode", "run.probe_max_train_per_label", "run.probe_seeds",
 }
 # how the global batch is split: may change on resume when the product with the processes is kept
 BATCH_SPLIT = {"training.per_device_train_batch_size", "training.gradient_accumulation_steps"}

@@ -295,7 +295,9 @@ class RunLog:
             with open(self.path, "a") as handle:
                 handle.write(json.dumps(record) + "\n")
         if self.trackers:
-            self.accelerator.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
+            # numbers only: a tag such as the probe's "before" is for metrics.jsonl (MLflow takes no text)
+            self.accelerator.log({k: v for k, v in record.items() if k != "step" and not isinstance(v, str)},
+                                 step=record["step"])
 
     def first_eval(self) -> dict[str, float] | None:
         """The evaluation before training of the run this one resumes (its step-0 line)."""

@@ -29,7 +29,7 @@ from accelerate.logging import get_logger
 from accelerate.utils import set_seed
 
 from mlm_ddp import checkpoint as ckpt
-from mlm_ddp import collectives, distributed, precision
+from mlm_ddp import collectives, distributed, precision, probing
 from mlm_ddp import data as mdata
 from mlm_ddp.config import Config, parse_args
 from mlm_ddp.errors import EXIT_FAILED, BadInput, Preempted, RunEnded, say
@@ -70,6 +70,7 @@ class TrainResult:
     loss_spikes: dict[str, int] = field(default_factory=dict)  # "skipped", "rolled_back": steps of each
     skipped_steps: dict[str, int] = field(default_factory=dict)  # "nonfinite", "overflow" (fp16): updates skipped
     mfu: float | None = None  # model FLOPs utilisation of the training steps (speed.py)
+    probe: dict[str, Any] | None = None  # the downstream probe's "before" and "after" (probing.py)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -109,6 +110,7 @@ def preflight(cfg: Config) -> Checked:
     collectives.check_fsdp_plugin(fsdp_plugin, cuda=bool(topo.cuda_devices))
     chosen = precision.choose_precision(cfg.training.mixed_precision, precision.launcher_precision(),
                                         precision.hardware(topo))
+    probing.check(cfg.run)
     folder = RunFolder(cfg)
     start = folder.plan(topo.world_size, sharded=fsdp_plugin is not None,
                         stream_bytes=functools.partial(stream_bytes, cfg))
@@ -394,7 +396,7 @@ def loss_factors(run: Training, step: int, micro_batches: int) -> list[float] | 
 # ---------------------------------------------------------------------------------------------
 
 
-def finish(run: Training, steps: int, started: float) -> TrainResult:
+def finish(run: Training, steps: int, started: float, probed_before: dict | None) -> TrainResult:
     """The final model, summary.json, the summary line and the report."""
     accelerator, log, folder = run.accelerator, run.log, run.checked.folder
     tokens_seen = log.tokens_total()
@@ -402,12 +404,14 @@ def finish(run: Training, steps: int, started: float) -> TrainResult:
                       run.checked.model_config)
     run.heartbeat.beat(steps, "final save")
     final = folder.save_final(accelerator, run.wait, run.model, run.checked.tokenizer, card)
+    probed = probing.after_training(run.cfg, accelerator, run.wait, log, run.heartbeat.beat, steps, final,
+                                    probed_before)
     tokens_per_s = (tokens_seen - run.start.tokens_seen) / max(log.clock.training_s, 1e-9)
     result = TrainResult(
         steps=steps, tokens_seen=tokens_seen, wall_time_s=time.perf_counter() - started, tokens_per_s=tokens_per_s,
         eval_before=run.evaluator.first, eval_after=run.evaluator.last, output_dir=str(folder.path),
         final_dir=str(final), loss_spikes=run.spikes.reported(), skipped_steps=run.skips.reported(),
-        mfu=log.run_mfu(tokens_per_s),
+        mfu=log.run_mfu(tokens_per_s), probe=probed,
     )
     folder.write_summary(accelerator.is_main_process, asdict(result))
     logger.info("%s", summary_line(result))
@@ -428,8 +432,10 @@ def train(cfg: Config, hooks: Hooks | None = None) -> TrainResult:
         run = build(cfg, preflight(cfg), hooks or Hooks())
         on_exit.callback(run.log.close)  # however the run ends, so that an error message starts a line of its own
         on_exit.callback(run.heartbeat.stop)  # an error leaves the last beat where it happened
+        probed_before = probing.before_training(cfg, run.accelerator, run.wait, run.log, run.heartbeat.beat,
+                                                run.start.step, run.checked.start.resume_from is not None)
         steps = fit(run, stop)
-        return finish(run, steps, started)
+        return finish(run, steps, started, probed_before)
 
 
 def summary_line(result: TrainResult) -> str:
@@ -441,7 +447,7 @@ def summary_line(result: TrainResult) -> str:
         line += (f"; eval loss {before['loss']:.4f} -> {after['loss']:.4f}, "
                  f"perplexity {before['perplexity']:.2f} -> {after['perplexity']:.2f}, "
                  f"accuracy {before['accuracy']:.3f} -> {after['accuracy']:.3f}")
-    return line + f"; model in {result.final_dir}"
+    return line + probing.line(result.probe) + f"; model in {result.final_dir}"
 
 
 def setup_logging() -> None:

@@ -395,8 +395,24 @@ class RunConfig:
                                     default=2.0)
     loss_spike_window: int = _doc(
         "Steps in the running median of --on_loss_spike (judging starts after 10 of them).", default=100)
+    # the downstream probe (mlm_ddp.probe), before training and on final/: its own flags, prefixed
+    probe_train_file: str | None = _doc("Labeled texts to train the downstream probe on (csv, json, jsonl or "
+                                        "parquet); with --probe_test_file.", default=None)
+    probe_test_file: str | None = _doc("Labeled texts the probe is scored on.", default=None)
+    probe_text_column: str = _doc("The probe files' text column.", default="text")
+    probe_label_column: str = _doc("The probe files' label column.", default="label")
+    probe_mode: Literal["linear", "finetune"] = _doc(
+        "linear: frozen features + logistic regression; finetune: a sequence classifier trained briefly.",
+        default="linear")
+    probe_max_train_per_label: int = _doc("The probe's training texts per label and seed (0: all).", default=8)
+    probe_seeds: int = _doc("The probe's seeds (subsamples) averaged over.", default=10)
+
+    def probing(self) -> bool:
+        return self.probe_train_file is not None or self.probe_test_file is not None
 
     def __post_init__(self) -> None:
+        if self.probing() and (self.probe_train_file is None or self.probe_test_file is None):
+            raise BadInput("the probe needs both --probe_train_file and --probe_test_file")
         if not self.output_dir:
             raise BadInput("--output_dir must not be empty")
         if self.logging_steps < 1:

@@ -1,0 +1,95 @@
+"""The downstream probe inside a training run (issue 38): --probe_train_file / --probe_test_file score the
+starting model before training and final/ after it; `before` is the standalone probe's figure of the
+starting model (same seeds, same subsamples); summary.json, metrics.jsonl, the closing line, the model
+card and the report carry both; bad probe files stop the run before anything is written; two processes
+finish (the others wait in the patient group while rank 0 probes)."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+
+from mlm_ddp.config import parse_args
+from mlm_ddp.errors import BadInput
+from mlm_ddp.probe import ProbeConfig, probe
+from mlm_ddp.train import main, train
+from tests.conftest import CONFIGS, LAUNCH, free_port, read_metrics, run_module, tiny_args
+from tests.test_probe import rows, write
+
+STEPS = 4
+
+
+@pytest.fixture(scope="module")
+def probe_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("probe_task")
+    return {"train": write(root / "train.csv", rows(80, seed=1)), "test": write(root / "test.csv", rows(100, seed=2))}
+
+
+def probed_args(tiny_model: Path, corpus: dict, out: Path, files: dict[str, Path], *extra: str) -> list[str]:
+    return tiny_args(tiny_model, corpus, out, "--max_train_steps", str(STEPS), "--probe_train_file",
+                     str(files["train"]), "--probe_test_file", str(files["test"]), "--probe_seeds", "3", *extra)
+
+
+@pytest.fixture(scope="module")
+def probed_run(tiny_model: Path, corpus: dict, probe_files: dict, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("probed") / "run"
+    train(parse_args(probed_args(tiny_model, corpus, out, probe_files)))
+    return out
+
+
+def test_before_is_the_standalone_probe_of_the_starting_model(probed_run: Path, tiny_model: Path,
+                                                               probe_files: dict) -> None:
+    standalone = probe(tiny_model, None, ProbeConfig(train_file=str(probe_files["train"]),
+                                                     test_file=str(probe_files["test"]), seeds=3))
+    summary = json.loads((probed_run / "summary.json").read_text())["probe"]
+    for key in ("accuracy", "macro_f1", "accuracy_std", "majority_accuracy"):
+        assert summary["before"][key] == standalone[key], key
+    after = probe(probed_run / "final", None, ProbeConfig(train_file=str(probe_files["train"]),
+                                                          test_file=str(probe_files["test"]), seeds=3))
+    assert summary["after"]["accuracy"] == after["accuracy"] and summary["after"]["macro_f1"] == after["macro_f1"]
+    assert summary["before"]["accuracy"] > summary["before"]["majority_accuracy"]  # the task is learnable
+
+
+def test_metrics_card_and_report_carry_both(probed_run: Path) -> None:
+    lines = [r for r in read_metrics(probed_run) if "probe" in r]
+    assert [(r["probe"], r["step"]) for r in lines] == [("before", 0), ("after", STEPS)]
+    assert all(0 <= r["probe_accuracy"] <= 1 and 0 <= r["probe_macro_f1"] <= 1 for r in lines)
+    card = (probed_run / "final" / "README.md").read_text()
+    assert "## Downstream probe" in card and "| before |" in card and "| after |" in card
+    report = (probed_run / "report.html").read_text() if (probed_run / "report.html").exists() else ""
+    assert "downstream probe" in report.lower()
+
+
+def test_the_closing_line_names_the_probe(tiny_model: Path, corpus: dict, probe_files: dict, tmp_path: Path,
+                                          caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO)
+    assert main(probed_args(tiny_model, corpus, tmp_path / "run", probe_files, "--max_train_steps", "1",
+                            "--report", "false")) == 0
+    done = [line for line in caplog.text.splitlines() if "done: " in line]
+    assert done and "; probe accuracy " in done[-1], caplog.text[-2000:]
+
+
+def test_a_bad_probe_file_stops_the_run_before_anything_is_written(tiny_model: Path, corpus: dict, tmp_path: Path,
+                                                                   probe_files: dict) -> None:
+    one_label = write(tmp_path / "one.csv", [{"text": "a b c", "label": "x"}] * 20)
+    out = tmp_path / "run"
+    with pytest.raises(BadInput, match="label"):
+        train(parse_args(probed_args(tiny_model, corpus, out, {"train": one_label, "test": probe_files["test"]})))
+    assert not out.exists()
+    with pytest.raises(BadInput, match="both --probe_train_file and --probe_test_file"):
+        parse_args(tiny_args(tiny_model, corpus, out, "--probe_train_file", str(one_label)))
+
+
+def test_two_processes_finish_with_the_probe(tiny_model: Path, corpus: dict, probe_files: dict,
+                                             tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    proc = run_module([*LAUNCH, "--config_file", str(CONFIGS / "cpu_ddp.yaml"), "--num_processes", "2",
+                       "--main_process_port", str(free_port()), "-m", "mlm_ddp.train",
+                       *probed_args(tiny_model, corpus, out, probe_files, "--report", "false",
+                                    "--save_timeout", "120")], timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())["probe"]
+    assert summary["before"]["accuracy"] > 0 and summary["after"]["accuracy"] > 0
