@@ -59,10 +59,10 @@ def score(cfg: Config, accelerator: Accelerator, wait: MainProcessWait, model: s
             logger.warning("the probe %s training failed (%s: %s); the run goes on without it", name,
                            type(err).__name__, err)
         if figures is not None:
-            logger.info("probe %s training (%s, %s seeds, %d training texts each): accuracy %.4f ± %.4f, macro-F1 %.4f ± "
-                        "%.4f; majority class %.4f", name, figures["mode"], figures["seeds"], figures["n_train"],
-                        figures["accuracy"], figures["accuracy_std"], figures["macro_f1"], figures["macro_f1_std"],
-                        figures["majority_accuracy"])
+            logger.info("probe %s training (%s, %s seeds, %d training texts each): accuracy %.4f ± %.4f, "
+                        "macro-F1 %.4f ± %.4f; majority class %.4f", name, figures["mode"], figures["seeds"],
+                        figures["n_train"], figures["accuracy"], figures["accuracy_std"], figures["macro_f1"],
+                        figures["macro_f1_std"], figures["majority_accuracy"])
     return wait.broadcast(figures)
 
 

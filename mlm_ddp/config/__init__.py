@@ -6,11 +6,13 @@ command-line flags, the flags winning; it is written back, resolved, to `output_
 which is itself a valid recipe. Flag names and meanings follow transformers'
 `run_mlm_no_trainer.py`. This package never reads launcher environment variables.
 
-This is its public surface: the sections (`sections.py`), the tree and how flags and recipes fill it
-(`tree.py`).
+This is its public surface: the sections (`sections.py`: model and data; `training.py`; `run.py`),
+the tree and how flags and recipes fill it (`tree.py`).
 """
 
-from mlm_ddp.config.sections import DataConfig, ModelConfig, RunConfig, TrainingConfig, _doc
+from mlm_ddp.config.run import RunConfig
+from mlm_ddp.config.sections import DataConfig, ModelConfig, _doc
+from mlm_ddp.config.training import TrainingConfig
 from mlm_ddp.config.tree import Config, from_dict, load_recipe, parse_args
 
 __all__ = ["Config", "DataConfig", "ModelConfig", "RunConfig", "TrainingConfig", "_doc", "from_dict", "load_recipe",

@@ -15,7 +15,9 @@ from typing import Any, Literal
 import yaml
 from transformers import HfArgumentParser
 
-from mlm_ddp.config.sections import DataConfig, ModelConfig, RunConfig, TrainingConfig
+from mlm_ddp.config.run import RunConfig
+from mlm_ddp.config.sections import DataConfig, ModelConfig
+from mlm_ddp.config.training import TrainingConfig
 from mlm_ddp.errors import BadInput
 
 SECTIONS: dict[str, type] = {

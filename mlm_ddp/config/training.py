@@ -1,0 +1,94 @@
+"""The training section of the config tree: batch sizes, the optimizer, the schedule, precision."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from mlm_ddp.config.sections import _doc
+from mlm_ddp.errors import BadInput
+
+# transformers' schedules that run from (warm-up, total steps) alone, stepped once per optimizer step
+SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
+              "inverse_sqrt")
+# transformers' other names, each refused with its reason
+SCHEDULERS_REFUSED = {
+    "reduce_lr_on_plateau": "it steps on an evaluation metric, not once per optimizer step",
+    "greedy": "it steps on an evaluation metric, not once per optimizer step",
+    "cosine_with_min_lr": "it needs a minimum learning rate, which mlm_ddp has no flag for",
+    "cosine_warmup_with_min_lr": "it needs a minimum learning rate, which mlm_ddp has no flag for",
+    "warmup_stable_decay": "it needs the number of decay steps, which mlm_ddp has no flag for",
+}
+
+
+@dataclass
+class TrainingConfig:
+    """Optimisation: batch sizes, schedule, precision, seed."""
+
+    per_device_train_batch_size: int = _doc("Packed blocks per micro-batch on each process.", default=8)
+    per_device_eval_batch_size: int = _doc("Packed blocks per evaluation batch on each process.", default=32)
+    learning_rate: float = _doc("Peak AdamW learning rate (measured: docs/performance.md 'The default job').",
+                                default=2e-4)
+    head_learning_rate: float | None = _doc(
+        "Peak learning rate of the MLM head (its transform and output bias; the decoder is tied to the word "
+        "embeddings). Default: 10 x --learning_rate when the checkpoint has no trained head (it is "
+        "initialised fresh, as all-MiniLM-L6-v2's), else --learning_rate.",
+        default=None,
+    )
+    weight_decay: float = _doc("AdamW weight decay (not applied to biases and LayerNorm weights).", default=0.01)
+    adam_beta1: float = _doc("AdamW beta1.", default=0.9)
+    adam_beta2: float = _doc("AdamW beta2.", default=0.999)
+    adam_epsilon: float = _doc("AdamW epsilon.", default=1e-8)
+    max_grad_norm: float = _doc("Clip the global gradient norm to this (0 turns clipping off).", default=1.0)
+    lr_scheduler_type: str = _doc(
+        f"Learning-rate schedule, counted in optimizer steps: {', '.join(SCHEDULERS)}.", default="linear"
+    )
+    num_warmup_steps: int = _doc("Optimizer steps of linear warm-up.", default=10)
+    num_train_epochs: float = _doc("Passes over the training data (ignored if --max_train_steps is set).", default=1.0)
+    max_train_steps: int | None = _doc(
+        "Total optimizer steps; overrides --num_train_epochs. Required with --streaming.", default=None
+    )
+    gradient_accumulation_steps: int = _doc("Micro-batches per optimizer step.", default=1)
+    mixed_precision: Literal["auto", "no", "fp16", "bf16"] = _doc(
+        "Mixed precision, passed to Accelerator(...) explicitly. 'auto': what `accelerate launch` was given "
+        "(--mixed_precision, its config file), else chosen for the device the run uses, native only: bf16 on "
+        "GPUs of compute capability 8.0+ and on CPUs with AVX512-BF16 or AMX, fp16 with a gradient scaler on "
+        "capability 7.x (V100, T4), else 'no' (fp32). A value here that disagrees with the launcher's stops the "
+        "run. fp16 needs a GPU. Under FSDP the loss sums and gradient reductions stay fp32.",
+        default="auto",
+    )
+    optimizer_impl: Literal["fused", "foreach", "for-loop"] = _doc(
+        "AdamW implementation: 'fused' (one kernel for all parameters), 'foreach' (batched tensor ops) or "
+        "'for-loop' (torch's per-parameter reference, its CPU default). All compute the same update.",
+        default="fused",
+    )
+    torch_compile: bool = _doc(
+        "torch.compile the encoder (in place: checkpoints keep their keys). Costs a compilation at the "
+        "first step; docs/performance.md has its measured effect.",
+        default=False,
+    )
+    seed: int = _doc("Seed of the data order, the masks and the model's random initialisation.", default=42)
+    cpu_threads: int | None = _doc(
+        "CPU runs: intra-op threads per process. Default: this node's cores divided by its processes "
+        "(accelerate launch alone would set 1).",
+        default=None,
+    )
+
+    def __post_init__(self) -> None:
+        for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps"):
+            if getattr(self, name) < 1:
+                raise BadInput(f"--{name} must be at least 1, got {getattr(self, name)}")
+        if self.lr_scheduler_type not in SCHEDULERS:
+            why = SCHEDULERS_REFUSED.get(self.lr_scheduler_type, "not a schedule transformers knows")
+            raise BadInput(f"--lr_scheduler_type {self.lr_scheduler_type}: {why}; use one of {', '.join(SCHEDULERS)}")
+        for name in ("learning_rate", "head_learning_rate"):
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
+                raise BadInput(f"--{name} must be positive, got {getattr(self, name)}")
+        if self.weight_decay < 0 or self.max_grad_norm < 0 or self.num_warmup_steps < 0:
+            raise BadInput("--weight_decay, --max_grad_norm and --num_warmup_steps must be >= 0")
+        if self.num_train_epochs <= 0:
+            raise BadInput(f"--num_train_epochs must be positive, got {self.num_train_epochs}")
+        if self.cpu_threads is not None and self.cpu_threads < 1:
+            raise BadInput(f"--cpu_threads must be at least 1, got {self.cpu_threads}")
+        if self.max_train_steps is not None and self.max_train_steps < 1:
+            raise BadInput(f"--max_train_steps must be at least 1, got {self.max_train_steps}")
