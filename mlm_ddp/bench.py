@@ -39,13 +39,13 @@ from mlm_ddp.errors import BadInput
 from mlm_ddp.masking import EVAL_SPLIT, IGNORE_INDEX, TRAIN_SPLIT, MaskingCollator
 from mlm_ddp.model import (
     MaskedLMLoss,
-    build_optimizer,
     load_model,
     load_model_config,
     load_tokenizer,
     resolve_model_path,
     wrap_model,
 )
+from mlm_ddp.optim import build_optimizer
 from mlm_ddp.speed import measure_peak, synchronize, training_flops_per_token
 from mlm_ddp.step import masked_tokens, train_step
 

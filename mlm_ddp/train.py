@@ -36,7 +36,8 @@ from mlm_ddp.errors import EXIT_FAILED, BadInput, Preempted, RunEnded, say
 from mlm_ddp.evaluation import Evaluator
 from mlm_ddp.heartbeat import Beat, Heartbeat, diagnose
 from mlm_ddp.hub import check_hub, push
-from mlm_ddp.model import load_model, load_model_config, load_tokenizer, max_positions, prepare_for_training
+from mlm_ddp.model import load_model, load_model_config, load_tokenizer, max_positions
+from mlm_ddp.optim import prepare_for_training
 from mlm_ddp.run_folder import RunFolder, Start, agree_on_resume, model_card
 from mlm_ddp.run_log import RunLog, check_trackers, describe_start, utilisation
 from mlm_ddp.spikes import LossSpikes

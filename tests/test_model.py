@@ -109,7 +109,7 @@ def test_a_batch_without_masked_tokens_adds_zero_and_still_reaches_every_paramet
 
 def optimizer_after_two_steps(impl: str) -> dict[str, torch.Tensor]:
     from mlm_ddp.config import from_dict
-    from mlm_ddp.model import build_optimizer
+    from mlm_ddp.optim import build_optimizer
 
     model = MaskedLMLoss(tiny("bert").eval())
     optimizer = build_optimizer(model, from_dict({"optimizer_impl": impl, "weight_decay": 0.01}).training)
@@ -151,7 +151,8 @@ def test_a_fresh_head_trains_faster_but_never_the_tied_embeddings(kind: str, fre
     from accelerate.state import PartialState
 
     from mlm_ddp.config import from_dict
-    from mlm_ddp.model import FRESH_HEAD, build_optimizer, head_parameters
+    from mlm_ddp.model import FRESH_HEAD
+    from mlm_ddp.optim import build_optimizer, head_parameters
 
     PartialState()  # accelerate's logger, which the warning goes through, needs one
     model = MaskedLMLoss(tiny(kind))

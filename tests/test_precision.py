@@ -183,7 +183,8 @@ def one_step(precision: str, impl: str, loss_factor: float, init_scale: float = 
     from transformers import BertConfig, BertForMaskedLM
 
     from mlm_ddp.config import TrainingConfig
-    from mlm_ddp.model import MaskedLMLoss, build_optimizer
+    from mlm_ddp.model import MaskedLMLoss
+    from mlm_ddp.optim import build_optimizer
 
     torch.manual_seed(0)
     config = BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
