@@ -1,9 +1,10 @@
-"""The optimizer of the loss wrapper (its parameter groups: no weight decay on biases and norms, the
-MLM head's own learning rate), the learning-rate schedule, and `prepare_for_training`, which builds
+"""The optimizer of the loss wrapper (AdamW or StableAdamW; its parameter groups: no weight decay on biases
+and norms, the MLM head's own learning rate), the learning-rate schedule, and `prepare_for_training`, which builds
 both and hands model and optimizer to accelerate with the checks FSDP2 needs."""
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -45,9 +46,9 @@ def head_parameters(model: PreTrainedModel) -> list[torch.nn.Parameter]:
 
 
 def build_optimizer(model: MaskedLMLoss, training: TrainingConfig) -> torch.optim.Optimizer:
-    """AdamW (--optimizer_impl); biases and normalisation weights (tensors with < 2 dims) get no weight
-    decay; the MLM head's own parameters (`head_parameters`) train at `head_learning_rate` when it
-    differs from --learning_rate."""
+    """--optimizer (AdamW or StableAdamW) in --optimizer_impl; biases and normalisation weights (tensors
+    with < 2 dims) get no weight decay; the MLM head's own parameters (`head_parameters`) train at
+    `head_learning_rate` when it differs from --learning_rate."""
     params = [p for p in model.parameters() if p.requires_grad]
     head_lr = head_learning_rate(model, training)
     head: set[int] = set()
@@ -62,10 +63,34 @@ def build_optimizer(model: MaskedLMLoss, training: TrainingConfig) -> torch.opti
         part = [p for p in params if (id(p) in head) == in_head]
         groups += [{"params": [p for p in part if p.ndim >= 2], "weight_decay": training.weight_decay, "lr": lr},
                    {"params": [p for p in part if p.ndim < 2], "weight_decay": 0.0, "lr": lr}]
+    groups = [group for group in groups if group["params"]]
+    if training.optimizer == "stableadamw":
+        return stable_adamw(groups, training)
     impl = {"fused": {"fused": True}, "foreach": {"foreach": True}, "for-loop": {"foreach": False}}
-    return torch.optim.AdamW([group for group in groups if group["params"]], lr=training.learning_rate,
-                             betas=(training.adam_beta1, training.adam_beta2), eps=training.adam_epsilon,
-                             **impl[training.optimizer_impl])
+    return torch.optim.AdamW(groups, lr=training.learning_rate, betas=(training.adam_beta1, training.adam_beta2),
+                             eps=training.adam_epsilon, **impl[training.optimizer_impl])
+
+
+def stable_adamw(groups: list[dict[str, Any]], training: TrainingConfig) -> torch.optim.Optimizer:
+    """optimi's StableAdamW on `groups`, with fully decoupled weight decay (`decouple_lr`): a step decays
+    weights by weight_decay x lr / max_lr, max_lr being the group's peak (the head's own, when it has one),
+    so the schedule scales the decay and the size of the learning rate does not.
+
+    --optimizer_impl fused leaves the choice to optimi: its Triton kernels where every parameter is a plain
+    tensor on a CUDA or XPU device and triton imports (they read no value on the host), else its for-loop
+    (a CPU, FSDP2's DTensors); its foreach and for-loop paths read each tensor's update RMS with `.item()`."""
+    from optimi import StableAdamW  # the optional extra: TrainingConfig checked that it is installed
+
+    for group in groups:
+        group["max_lr"] = group["lr"]
+    impl = {"fused": {"triton": None, "foreach": None}, "foreach": {"triton": False, "foreach": True},
+            "for-loop": {"triton": False, "foreach": False}}
+    with warnings.catch_warnings():
+        # optimi deprecates foreach in favour of Triton, which a CPU has not; --optimizer_impl says which
+        warnings.filterwarnings("ignore", "Parameter `foreach` is deprecated", DeprecationWarning)
+        return StableAdamW(groups, lr=training.learning_rate, betas=(training.adam_beta1, training.adam_beta2),
+                           eps=training.adam_epsilon, weight_decay=training.weight_decay, decouple_lr=True,
+                           **impl[training.optimizer_impl])
 
 
 def prepare_for_training(accelerator: Any, transformers_model: PreTrainedModel, model_cfg: ModelConfig,

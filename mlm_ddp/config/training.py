@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 from typing import Literal
 
@@ -57,9 +58,23 @@ class TrainingConfig:
         "run. fp16 needs a GPU. Under FSDP the loss sums and gradient reductions stay fp32.",
         default="auto",
     )
+    optimizer: Literal["adamw", "stableadamw"] = _doc(
+        "'adamw': torch's AdamW; --weight_decay is coupled to the learning rate (each step decays weights by "
+        "lr x weight_decay). 'stableadamw': optimi's StableAdamW (pip install \"mlm_ddp[stableadamw]\"), "
+        "ModernBERT's optimizer: AdamW whose step on each tensor is divided by max(1, RMS of grad^2 / "
+        "max(exp_avg_sq, eps^2)), with --weight_decay fully decoupled from the learning rate's size: each step "
+        "decays weights by weight_decay x lr / peak lr of their group (ModernBERT: 1e-5; 1e-3 and more are "
+        "refused). Both: the same --adam_beta1/2 and --adam_epsilon (ModernBERT: 0.9, 0.98, 1e-6), no decay "
+        "on biases and norms, --max_grad_norm still clips the global norm first (ModernBERT: 0, off). Cost: "
+        "optimi's foreach and for-loop paths read each tensor's RMS on the host, one wait for the device per "
+        "parameter tensor per step; its Triton kernels (--optimizer_impl fused, CUDA only) read none. Cannot "
+        "change on resume (docs/performance.md 'The optimizer').",
+        default="adamw",
+    )
     optimizer_impl: Literal["fused", "foreach", "for-loop"] = _doc(
-        "AdamW implementation: 'fused' (one kernel for all parameters), 'foreach' (batched tensor ops) or "
-        "'for-loop' (torch's per-parameter reference, its CPU default). All compute the same update.",
+        "Optimizer implementation: 'fused' (AdamW: one kernel for all parameters; StableAdamW: optimi's Triton "
+        "kernels, which need a CUDA device and triton, else its foreach path with a warning), 'foreach' (batched "
+        "tensor ops) or 'for-loop' (per-parameter reference, torch's CPU default). All compute the same update.",
         default="fused",
     )
     torch_compile: bool = _doc(
@@ -86,9 +101,27 @@ class TrainingConfig:
                 raise BadInput(f"--{name} must be positive, got {getattr(self, name)}")
         if self.weight_decay < 0 or self.max_grad_norm < 0 or self.num_warmup_steps < 0:
             raise BadInput("--weight_decay, --max_grad_norm and --num_warmup_steps must be >= 0")
+        if self.optimizer == "stableadamw":
+            check_stableadamw(self.weight_decay)
         if self.num_train_epochs <= 0:
             raise BadInput(f"--num_train_epochs must be positive, got {self.num_train_epochs}")
         if self.cpu_threads is not None and self.cpu_threads < 1:
             raise BadInput(f"--cpu_threads must be at least 1, got {self.cpu_threads}")
         if self.max_train_steps is not None and self.max_train_steps < 1:
             raise BadInput(f"--max_train_steps must be at least 1, got {self.max_train_steps}")
+
+
+# optimi warns from here: fully decoupled decay of 1e-3 shrinks every weight by 0.1% per step at peak LR
+STABLEADAMW_MAX_DECAY = 1e-3
+
+
+def check_stableadamw(weight_decay: float) -> None:
+    """--optimizer stableadamw: its package installed, and a weight decay meant to be fully decoupled."""
+    if importlib.util.find_spec("optimi") is None:
+        raise BadInput('--optimizer stableadamw needs torch-optimi: pip install "mlm_ddp[stableadamw]" '
+                       "(or pip install torch-optimi), or use --optimizer adamw")
+    if weight_decay >= STABLEADAMW_MAX_DECAY:
+        raise BadInput(f"--weight_decay {weight_decay:g} with --optimizer stableadamw: its weight decay is fully "
+                       f"decoupled from the learning rate, so each step would shrink every weight by "
+                       f"{weight_decay:.2%} at the peak learning rate; pass --weight_decay below "
+                       f"{STABLEADAMW_MAX_DECAY:g} (ModernBERT: 1e-5)")
