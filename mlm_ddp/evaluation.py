@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader
 from mlm_ddp import data as mdata
 from mlm_ddp.collectives import sharded
 from mlm_ddp.heartbeat import PhaseReport, unreported
-from mlm_ddp.masking import IGNORE_INDEX
+from mlm_ddp.masking import IGNORE_INDEX, percent
 from mlm_ddp.model import check_loss_sum
 from mlm_ddp.run_log import RunLog, TrainingClock
 
@@ -116,9 +116,12 @@ class Evaluator:
     last step. Every rank calls `maybe` after every step (evaluation holds collectives)."""
 
     def __init__(self, eval_steps: int | None, total_steps: int, accelerator: Accelerator,
-                 model: torch.nn.Module, loader: DataLoader | None, beat: PhaseReport = unreported) -> None:
+                 model: torch.nn.Module, loader: DataLoader | None, beat: PhaseReport = unreported, *,
+                 mlm_probability: float, then: Callable[[int], dict[str, Any]] | None = None) -> None:
         self.every, self.total_steps, self.accelerator = eval_steps, total_steps, accelerator
         self.model, self.loader, self.beat = model, loader, beat
+        self.then = then  # after each evaluation during training: more fields for its line (the probe's)
+        self.mlm_probability = mlm_probability  # the loader's masking rate (--eval_mlm_probability), recorded
         self.first: dict[str, float] | None = None  # before training (of the run a resume continues)
         self.last: dict[str, float] | None = None  # the latest evaluation during training
 
@@ -141,10 +144,12 @@ class Evaluator:
             return {}
         with clock.paused():  # evaluation is not training time
             self.last = self.evaluate(step)
-        if not self.last:
+            more = self.then(step) if self.then is not None else {}
+        if not self.last and not more:
             return {}
-        logger.info("step %d: eval loss %.4f, perplexity %.2f", step, self.last["loss"], self.last["perplexity"])
-        return {"step": step, "epoch": round(epoch, 4), **record_fields(self.last)}
+        if self.last:
+            logger.info("step %d: eval loss %.4f, perplexity %.2f", step, self.last["loss"], self.last["perplexity"])
+        return {**more, "step": step, "epoch": round(epoch, 4), **(record_fields(self.last) if self.last else {})}
 
 
     def evaluate(self, step: int) -> dict[str, float] | None:
@@ -152,10 +157,25 @@ class Evaluator:
         evaluation may wait on the peers); otherwise only the final reduce, after a long local phase."""
         if self.loader is not None and sharded(self.accelerator):
             self.beat(step, "eval", "evaluation's forwards (FSDP gathers the parameters)")
-        return evaluate_mlm(self.model, self.loader, self.accelerator,
-                            functools.partial(self.beat, step, "eval", "the all-reduce of the evaluation sums"))
+        result = evaluate_mlm(self.model, self.loader, self.accelerator,
+                              functools.partial(self.beat, step, "eval", "the all-reduce of the evaluation sums"))
+        return None if result is None else {**result, "mlm_probability": self.mlm_probability}
 
 
 def record_fields(result: dict[str, float]) -> dict[str, float]:
-    """An evaluation as metrics.jsonl names it."""
-    return {"eval_loss": result["loss"], "perplexity": result["perplexity"], "eval_accuracy": result["accuracy"]}
+    """An evaluation as metrics.jsonl names it, with the masking rate it was measured at (when known)."""
+    rate = {"eval_mlm_probability": result["mlm_probability"]} if "mlm_probability" in result else {}
+    return {"eval_loss": result["loss"], "perplexity": result["perplexity"], "eval_accuracy": result["accuracy"],
+            **rate}
+
+
+def masked_note(*results: dict[str, float] | None) -> str:
+    """' (15% masked)': the masking rate the evaluations were measured at, or each one's where they differ
+    (a resume may change --eval_mlm_probability); '' where no result says (a run logged before the rate was
+    recorded evaluated at its training rate)."""
+    rates = [r.get("mlm_probability") for r in results if r]
+    if not rates or None in rates:
+        return ""
+    if len(set(rates)) == 1:
+        return f" ({percent(rates[0])} masked)"
+    return f" ({' -> '.join(percent(r) for r in rates)} masked)"

@@ -1,8 +1,11 @@
-"""BERT masking (80/10/10, optional whole-word), seeded per sample.
+"""BERT masking (80/10/10 by default, optional whole-word), seeded per sample.
 
 A sample's mask depends only on (seed, split, epoch, the sample's tokens): not on the batch it lands
 in, the rank that reads it or the number of processes. So 1 process x batch 2B and 2 processes x B
-see identical masks, and a resumed run sees the masks the uninterrupted one would have.
+see identical masks, and a resumed run sees the masks the uninterrupted one would have. The positions
+are drawn first, from their own uniform draws: the replacement split never moves them, and at a rate
+p they are a subset of those at any rate q > p (a draw below p is below q). So an evaluation at 15%
+scores the same positions of a block whatever rate or split the run trains with.
 """
 
 from __future__ import annotations
@@ -29,6 +32,35 @@ def sample_rng(seed: int, split: int, epoch: int, token_ids: np.ndarray) -> np.r
     return np.random.default_rng([seed, split, epoch, int.from_bytes(digest.digest(), "little")])
 
 
+def check_masking(mlm_probability: float, mask_replace_prob: float, random_replace_prob: float,
+                  rate_flag: str = "--mlm_probability") -> None:
+    """BadInput unless the rate is in (0, 1) and the replacement split is two fractions summing to at most 1."""
+    if not 0.0 < mlm_probability < 1.0:
+        raise BadInput(f"{rate_flag} must be strictly between 0 and 1, got {mlm_probability} "
+                       "(the usual value is 0.15)")
+    for flag, value in (("--mask_replace_prob", mask_replace_prob), ("--random_replace_prob", random_replace_prob)):
+        if not 0.0 <= value <= 1.0:
+            raise BadInput(f"{flag} is a fraction of the selected tokens, in [0, 1]; got {value} "
+                           "(BERT's split: --mask_replace_prob 0.8 --random_replace_prob 0.1)")
+    if mask_replace_prob + random_replace_prob > 1.0 + 1e-9:
+        raise BadInput(f"--mask_replace_prob {mask_replace_prob} + --random_replace_prob {random_replace_prob} "
+                       "exceeds 1: they are shares of the same selected tokens (the rest stay unchanged); "
+                       "lower one of them")
+
+
+def percent(rate: float) -> str:
+    """0.15 -> '15%', 0.125 -> '12.5%'."""
+    return f"{round(rate * 100, 4):g}%"
+
+
+def describe_masking(mlm_probability: float, mask_replace_prob: float, random_replace_prob: float,
+                     whole_word_mask: bool) -> str:
+    """'30% of the tokens; 80% [MASK], 10% random, 10% unchanged', as the model card says it."""
+    kept = max(0.0, 1.0 - mask_replace_prob - random_replace_prob)
+    return (f"{percent(mlm_probability)} of the {'words' if whole_word_mask else 'tokens'}; "
+            f"{percent(mask_replace_prob)} [MASK], {percent(random_replace_prob)} random, {percent(kept)} unchanged")
+
+
 def mask_sample(
     token_ids: np.ndarray,
     maskable: np.ndarray,
@@ -37,13 +69,16 @@ def mask_sample(
     replacement_ids: np.ndarray,
     mlm_probability: float,
     word_continues: np.ndarray | None = None,
+    mask_replace_prob: float = 0.8,
+    random_replace_prob: float = 0.1,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Mask one sample: returns (inputs, labels), both shaped like token_ids (T,).
 
     Each maskable token (or, with word_continues, each word) is selected with mlm_probability;
-    a selected token becomes [MASK] with p=0.8, a random non-special token with p=0.1, and stays
-    itself with p=0.1. Labels hold the original id at selected positions and IGNORE_INDEX elsewhere.
-    word_continues[t] is true where token t continues the word of token t-1.
+    a selected token becomes [MASK] with p=mask_replace_prob, a random non-special token with
+    p=random_replace_prob, and stays itself otherwise (transformers' DataCollatorForLanguageModeling:
+    both are fractions of all selected tokens). Labels hold the original id at selected positions and
+    IGNORE_INDEX elsewhere. word_continues[t] is true where token t continues the word of token t-1.
     """
     n = token_ids.shape[0]
     if word_continues is None:
@@ -58,8 +93,8 @@ def mask_sample(
     action = rng.random(n)
     random_ids = replacement_ids[rng.integers(0, replacement_ids.shape[0], n)]
     inputs = token_ids.copy()
-    to_mask = selected & (action < 0.8)
-    to_random = selected & (action >= 0.8) & (action < 0.9)
+    to_mask = selected & (action < mask_replace_prob)
+    to_random = selected & (action >= mask_replace_prob) & (action < mask_replace_prob + random_replace_prob)
     inputs[to_mask] = mask_token_id
     inputs[to_random] = random_ids[to_random]
     labels = np.where(selected, token_ids, IGNORE_INDEX)
@@ -82,6 +117,8 @@ class MaskingCollator:
     vocab_size: int
     mlm_probability: float = 0.15
     whole_word_mask: bool = False
+    mask_replace_prob: float = 0.8  # of the selected tokens: [MASK]
+    random_replace_prob: float = 0.1  # of the selected tokens: a random ordinary token; the rest kept
     seed: int = 42
     split: int = TRAIN_SPLIT
     epoch: int = 0
@@ -90,6 +127,7 @@ class MaskingCollator:
     _special: np.ndarray = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
+        check_masking(self.mlm_probability, self.mask_replace_prob, self.random_replace_prob)
         self._special = np.asarray(sorted(set(self.special_ids)), dtype=np.int64)
         self._replacement_ids = np.setdiff1d(np.arange(self.vocab_size, dtype=np.int64), self._special)
         if self._replacement_ids.size == 0:
@@ -127,8 +165,8 @@ class MaskingCollator:
             rng = sample_rng(self.seed, self.split, example.get(EPOCH_KEY, self.epoch), ids)
             maskable = ~np.isin(ids, self._special)
             input_ids[row, :n], labels[row, :n] = mask_sample(
-                ids, maskable, rng, self.mask_token_id, self._replacement_ids, self.mlm_probability, continues
-            )
+                ids, maskable, rng, self.mask_token_id, self._replacement_ids, self.mlm_probability, continues,
+                self.mask_replace_prob, self.random_replace_prob)
             attention[row, :n] = 1
         labels_t = torch.from_numpy(labels)
         return {

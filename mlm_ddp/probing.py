@@ -7,10 +7,17 @@ The probe runs on the main process alone; the others wait for its figures in the
 `MainProcessWait`, whose timeout is the patient `--save_timeout` (DESIGN.md, pitfall 14), so a long probe
 never trips `--ddp_timeout`. A probe that fails says why and the run goes on: the model it scores is
 already saved. The files are checked in preflight (`check`), before anything is written.
+
+`--probe_every_eval` (`EveryEval`) also probes at each evaluation. The model is written as final/ is (every
+rank takes part: FSDP gathers its shards) into a folder beside final/ and probed there, so each figure is
+what the standalone probe gives for that folder; the folder of the best accuracy so far is kept as
+best_probe/, the others are removed.
 """
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -20,10 +27,12 @@ from accelerate.logging import get_logger
 from mlm_ddp.collectives import MainProcessWait
 from mlm_ddp.config import Config, RunConfig
 from mlm_ddp.durable import write_atomic
-from mlm_ddp.probe import ProbeConfig, check_probe_data, probe
+from mlm_ddp.probe import ProbeConfig, ProbeData, check_probe_data, load_probe_data, probe
+from mlm_ddp.run_folder import BEST_PROBE, RunFolder, replace_folder
 
 logger = get_logger(__name__)
 FIGURES = ("accuracy", "macro_f1")  # what summary.json, metrics.jsonl and the card carry of each result
+BEST_PROBE_FILE = "probe.json"  # in best_probe/: its step and figures
 
 
 def probe_config(run: RunConfig) -> ProbeConfig:
@@ -53,17 +62,23 @@ def score(cfg: Config, accelerator: Accelerator, wait: MainProcessWait, model: s
         return None
     figures = None
     if accelerator.is_main_process:
-        try:
-            figures = probe(model, None, probe_config(cfg.run), accelerator.device)
-        except Exception as err:  # the model is saved already: the run goes on and says what failed
-            logger.warning("the probe %s training failed (%s: %s); the run goes on without it", name,
-                           type(err).__name__, err)
-        if figures is not None:
-            logger.info("probe %s training (%s, %s seeds, %d training texts each): accuracy %.4f ± %.4f, "
-                        "macro-F1 %.4f ± %.4f; majority class %.4f", name, figures["mode"], figures["seeds"],
-                        figures["n_train"], figures["accuracy"], figures["accuracy_std"], figures["macro_f1"],
-                        figures["macro_f1_std"], figures["majority_accuracy"])
+        figures = score_here(cfg.run, accelerator, model, f"{name} training")
     return wait.broadcast(figures)
+
+
+def score_here(run: RunConfig, accelerator: Accelerator, model: str, name: str,
+               data: ProbeData | None = None) -> dict[str, Any] | None:
+    """The main process's probe of folder `model`, logged; None (said) where it fails."""
+    try:
+        figures = probe(model, None, probe_config(run), accelerator.device, data=data)
+    except Exception as err:  # the model is saved already: the run goes on and says what failed
+        logger.warning("the probe %s failed (%s: %s); the run goes on without it", name, type(err).__name__, err)
+        return None
+    logger.info("probe %s (%s, %s seeds, %d training texts each): accuracy %.4f ± %.4f, macro-F1 %.4f ± %.4f; "
+                "majority class %.4f", name, figures["mode"], figures["seeds"], figures["n_train"],
+                figures["accuracy"], figures["accuracy_std"], figures["macro_f1"], figures["macro_f1_std"],
+                figures["majority_accuracy"])
+    return figures
 
 
 def record(figures: dict[str, Any] | None, name: str, step: int) -> dict[str, Any]:
@@ -87,22 +102,25 @@ def earlier_before(metrics: Path) -> dict[str, Any] | None:
     return None
 
 
-def summary(before: dict[str, Any] | None, after: dict[str, Any] | None) -> dict[str, Any] | None:
-    """summary.json's "probe": {"before": {...}, "after": {...}}, each with accuracy and macro_f1."""
-    if before is None and after is None:
+def summary(before: dict[str, Any] | None, after: dict[str, Any] | None,
+            best: dict[str, Any] | None = None) -> dict[str, Any] | None:
+    """summary.json's "probe": {"before": {...}, "after": {...}}, each with accuracy and macro_f1, and with
+    --probe_every_eval "best": the best evaluation's, with its step and folder."""
+    if before is None and after is None and best is None:
         return None
-    keep = (*FIGURES, "accuracy_std", "macro_f1_std", "majority_accuracy", "mode", "seeds", "n_train", "n_test")
-    return {name: {k: v for k, v in figures.items() if k in keep} if figures else None
+    kept = {name: {k: v for k, v in figures.items() if k in KEPT} if figures else None
             for name, figures in (("before", before), ("after", after))}
+    return kept | ({"best": best} if best is not None else {})
 
 
 def line(probed: dict[str, Any] | None) -> str:
     """The closing line's part: '; probe accuracy 0.7012 -> 0.7240, macro-F1 0.6950 -> 0.7180'."""
     if not probed or not probed.get("before") or not probed.get("after"):
         return ""
-    before, after = probed["before"], probed["after"]
+    before, after, best = probed["before"], probed["after"], probed.get("best")
     return (f"; probe accuracy {before['accuracy']:.4f} -> {after['accuracy']:.4f}, "
-            f"macro-F1 {before['macro_f1']:.4f} -> {after['macro_f1']:.4f}")
+            f"macro-F1 {before['macro_f1']:.4f} -> {after['macro_f1']:.4f}"
+            + (f" (best {best['accuracy']:.4f} at step {best['step']}: {best['folder']}/)" if best else ""))
 
 
 def add_to_card(final: Path, probed: dict[str, Any] | None, cfg: RunConfig, is_main: bool) -> None:
@@ -111,8 +129,11 @@ def add_to_card(final: Path, probed: dict[str, Any] | None, cfg: RunConfig, is_m
     card = final / "README.md"
     if not is_main or not probed or not card.exists():
         return
-    rows = [f"| {name} | {f['accuracy']:.4f} ± {f['accuracy_std']:.4f} | {f['macro_f1']:.4f} ± {f['macro_f1_std']:.4f} "
-            f"| {f['majority_accuracy']:.4f} |" for name, f in probed.items() if f]
+    def label(name: str, figures: dict[str, Any]) -> str:
+        return f"best (step {figures['step']}, {BEST_PROBE}/)" if name == "best" else name
+
+    rows = [f"| {label(name, f)} | {f['accuracy']:.4f} ± {f['accuracy_std']:.4f} | {f['macro_f1']:.4f} ± "
+            f"{f['macro_f1_std']:.4f} | {f['majority_accuracy']:.4f} |" for name, f in probed.items() if f]
     section = ("\n## Downstream probe\n\n"
                f"`python -m mlm_ddp.probe` ({cfg.probe_mode}, {cfg.probe_seeds} seeds, "
                f"{cfg.probe_max_train_per_label or 'all'} training texts per label) on "
@@ -137,13 +158,81 @@ def before_training(cfg: Config, accelerator: Accelerator, wait: MainProcessWait
 
 
 def after_training(cfg: Config, accelerator: Accelerator, wait: MainProcessWait, log: Any, beat: Any, step: int,
-                   final: Path, before: dict[str, Any] | None) -> dict[str, Any] | None:
-    """final/'s figures, written to metrics.jsonl and the model card; summary.json's "probe"."""
+                   final: Path, before: dict[str, Any] | None, every: EveryEval) -> dict[str, Any] | None:
+    """final/'s figures, written to metrics.jsonl and the model card; summary.json's "probe". The last
+    evaluation's probe (--probe_every_eval) scored these very weights, written the same way: it is reused."""
     if not cfg.run.probing():
         return None
     beat(step, "probe")
-    after = score(cfg, accelerator, wait, str(final), "after")
+    after = every.figures_at(step)
+    if after is None:
+        after = score(cfg, accelerator, wait, str(final), "after")
     log.write(record(after, "after", step), with_tokens=False)
-    probed = summary(before, after)
+    probed = summary(before, after, every.best)
     add_to_card(final, probed, cfg.run, accelerator.is_main_process)
     return probed
+
+
+class EveryEval:
+    """--probe_every_eval: `at_eval(step)` after each evaluation, on every rank. The model is written into
+    `.tmp-best_probe/` (every rank: FSDP gathers the shards), the main process probes that folder, and
+    keeps it as best_probe/ (with probe.json) when its accuracy beats every earlier evaluation's; a tie
+    keeps the earlier. A resumed run starts from the best its folder holds."""
+
+    def __init__(self, cfg: Config, accelerator: Accelerator, wait: MainProcessWait, folder: RunFolder, model: Any,
+                 tokenizer: Any, beat: Any) -> None:
+        self.cfg, self.accelerator, self.wait, self.folder = cfg, accelerator, wait, folder
+        self.model, self.tokenizer, self.beat = model, tokenizer, beat
+        self.on = cfg.run.probe_every_eval
+        self.best: dict[str, Any] | None = read_best(folder.path / BEST_PROBE) if self.on else None
+        self.latest: tuple[int, dict[str, Any] | None] | None = None  # (step, figures) of the last probe
+        self.data: ProbeData | None = None  # the probe's files, read once (main process)
+
+    def at_eval(self, step: int) -> dict[str, Any]:
+        """This evaluation's probe fields for metrics.jsonl ({} without --probe_every_eval)."""
+        if not self.on:
+            return {}
+        self.beat(step, "probe")
+        tmp = self.folder.path / f".tmp-{BEST_PROBE}"
+        self.wait.barrier()
+        self.folder.write_model(self.accelerator, self.model, self.tokenizer, "", tmp)
+        figures = None
+        if self.accelerator.is_main_process:
+            self.data = self.data or load_probe_data(probe_config(self.cfg.run))
+            figures = score_here(self.cfg.run, self.accelerator, str(tmp), f"at step {step}", self.data)
+            if figures is not None and (self.best is None or figures["accuracy"] > self.best["accuracy"]):
+                self.best = {"step": step, **{k: figures[k] for k in KEPT if k in figures}, "folder": BEST_PROBE}
+                keep_best(tmp, self.folder.path / BEST_PROBE, self.best, self.cfg)
+            else:
+                shutil.rmtree(tmp)
+        figures, self.best = self.wait.broadcast((figures, self.best))
+        self.latest = (step, figures)
+        return {} if figures is None else record(figures, "eval", step)
+
+    def figures_at(self, step: int) -> dict[str, Any] | None:
+        """The figures probed at `step`, if the last evaluation's probe was at that step."""
+        return self.latest[1] if self.latest is not None and self.latest[0] == step else None
+
+
+# what summary.json and best_probe/probe.json keep of a probe's figures
+KEPT = (*FIGURES, "accuracy_std", "macro_f1_std", "majority_accuracy", "mode", "seeds", "n_train", "n_test")
+
+
+def read_best(folder: Path) -> dict[str, Any] | None:
+    """best_probe/probe.json of an earlier attempt of this run (None: none kept yet)."""
+    try:
+        return json.loads((folder / BEST_PROBE_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def keep_best(tmp: Path, best_dir: Path, best: dict[str, Any], cfg: Config) -> None:
+    """The probed folder `tmp`, with its card and probe.json, becomes best_probe/ (written whole, then renamed)."""
+    (tmp / BEST_PROBE_FILE).write_text(json.dumps(best, indent=2) + "\n")
+    (tmp / "README.md").write_text(
+        f"# The best downstream probe of {cfg.run.output_dir}\n\n"
+        f"The model at optimizer step {best['step']}: of the evaluations of `--probe_every_eval`, its probe scored "
+        f"the best accuracy, {best['accuracy']:.4f} ± {best['accuracy_std']:.4f} (macro-F1 {best['macro_f1']:.4f} ± "
+        f"{best['macro_f1_std']:.4f}; majority class {best['majority_accuracy']:.4f}). The model at the end of "
+        "training is `final/`, whose card describes the run.\n")
+    replace_folder(tmp, best_dir)

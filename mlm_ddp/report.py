@@ -222,6 +222,24 @@ def plot(runs: Sequence[Run], labels: Sequence[str], folder: Path) -> list[Path]
 # ---------------------------------------------------------------------------------------------
 
 
+def rate_text(rate: float) -> str:
+    """0.15 -> '15%' (masking.percent's format; not imported from there: the report loads no torch)."""
+    return f"{round(rate * 100, 4):g}%"
+
+
+def eval_masking(run: Run) -> str:
+    """The masking rate of the run's evaluations: as its records say it (a resume may change it: '30% -> 15%'),
+    else its config's --eval_mlm_probability, else its --mlm_probability (a run of a version that
+    evaluated at the training rate); '-' when nothing says."""
+    rates = list(dict.fromkeys(r["eval_mlm_probability"] for r in run.records
+                               if isinstance(r.get("eval_mlm_probability"), (int, float))))
+    if not rates:
+        settings = run.settings or {}
+        rate = settings.get("eval_mlm_probability", settings.get("mlm_probability"))
+        rates = [rate] if isinstance(rate, (int, float)) else []
+    return " -> ".join(rate_text(r) for r in rates) or "-"
+
+
 def facts(run: Run) -> dict[str, str]:
     """One run's headline numbers as display strings (the summary and the page's table)."""
     def first_last(key: str, fmt: Callable[[float], str]) -> str:
@@ -245,6 +263,7 @@ def facts(run: Run) -> dict[str, str]:
         "perplexity": first_last("perplexity", "{:.2f}".format),
         "best perplexity": f"{perplexities[best]:.2f} at step {steps[best]}" if best is not None else "-",
         "eval accuracy": first_last("eval_accuracy", "{:.3f}".format),
+        "eval masked": eval_masking(run),  # perplexities at other masking rates are not comparable
         # before training -> on final/ (probing.py), beside perplexity: did the adaptation help the task?
         "downstream probe accuracy": first_last("probe_accuracy", "{:.4f}".format),
         "downstream probe macro-F1": first_last("probe_macro_f1", "{:.4f}".format),
@@ -259,12 +278,23 @@ def summary_text(runs: Sequence[Run], labels: Sequence[str]) -> str:
         f = facts(run)
         lines.append(f"{text} ({run.path}): {f['status']}")
         lines.append(f"  {f['steps']} steps, {f['tokens']} tokens, {f['tokens/s']} tokens/s, wall {f['wall time']}")
-        lines.append(f"  train loss {f['train loss']}; eval loss {f['eval loss']}, perplexity {f['perplexity']} "
-                     f"(best {f['best perplexity']}), accuracy {f['eval accuracy']}")
+        lines.append(f"  train loss {f['train loss']}; eval ({f['eval masked']} masked) loss {f['eval loss']}, "
+                     f"perplexity {f['perplexity']} (best {f['best perplexity']}), accuracy {f['eval accuracy']}")
         if f["downstream probe accuracy"] != "-":
             lines.append(f"  downstream probe accuracy {f['downstream probe accuracy']}, macro-F1 "
                          f"{f['downstream probe macro-F1']}")
+    if unlike := unlike_masking(runs):
+        lines.append(unlike)
     return "\n".join(lines)
+
+
+def unlike_masking(runs: Sequence[Run]) -> str:
+    """A warning when the runs' evaluations masked at different rates, else ''."""
+    rates = {eval_masking(run) for run in runs}
+    if len(rates) < 2:
+        return ""
+    return (f"note: these runs evaluated at different masking rates ({', '.join(sorted(rates))}): their eval "
+            "losses and perplexities are not comparable (--eval_mlm_probability sets one rate for all)")
 
 
 CSS = """body{font-family:system-ui,sans-serif;margin:2em auto;max-width:960px;color:#222}
@@ -280,8 +310,9 @@ def table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
 
 
 def page(runs: Sequence[Run], labels: Sequence[str], flags: Sequence[str], images: Sequence[str]) -> str:
-    columns = ["status", "steps", "tokens", "tokens/s", "wall time", "train loss", "eval loss", "perplexity",
-               "best perplexity", "eval accuracy", "downstream probe accuracy", "downstream probe macro-F1"]
+    columns = ["status", "steps", "tokens", "tokens/s", "wall time", "train loss", "eval masked", "eval loss",
+               "perplexity", "best perplexity", "eval accuracy", "downstream probe accuracy",
+               "downstream probe macro-F1"]
     parts = [f"<!DOCTYPE html>\n{MARKER}\n<html><head><meta charset='utf-8'><title>mlm_ddp report: "
              f"{html.escape(', '.join(r.name for r in runs))}</title><style>{CSS}</style></head><body>",
              "<h1>mlm_ddp run report</h1>",
@@ -291,6 +322,8 @@ def page(runs: Sequence[Run], labels: Sequence[str], flags: Sequence[str], image
              "<h2>Runs</h2>",
              table(["run", *columns], [[text, *(facts(run)[c].replace(" -> ", " → ") for c in columns)]
                                        for run, text in zip(runs, labels, strict=True)])]
+    if unlike := unlike_masking(runs):
+        parts.append(f"<p><strong>{html.escape(unlike)}</strong></p>")
     if flags:
         parts += ["<h2>What differs between the configs</h2>",
                   table(["run", *flags], [[r.name, *("(no config.yaml)" if r.settings is None else r.settings.get(f)

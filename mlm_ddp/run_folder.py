@@ -29,6 +29,8 @@ from mlm_ddp.collectives import MainProcessWait
 from mlm_ddp.config import Config
 from mlm_ddp.durable import write_atomic
 from mlm_ddp.errors import EXIT_REQUEUE, AlreadyFinished, BadInput
+from mlm_ddp.evaluation import masked_note
+from mlm_ddp.masking import describe_masking
 from mlm_ddp.model import checkpoint_dtype, from_scratch, inner_state_dict
 from mlm_ddp.report import write_report
 from mlm_ddp.run_log import read_metrics_lines
@@ -55,6 +57,8 @@ RESUMABLE_CHANGES = {
     "model.trust_remote_code", "model.low_cpu_mem_usage", "model.gradient_checkpointing",
     # the downstream probe reads the model; it changes nothing a step computes
     "run.probe_train_file", "run.probe_test_file", "run.probe_text_column", "run.probe_label_column",
+    # what is evaluated, not what a step computes
+    "data.eval_mlm_probability",
     "run.probe_mode", "run.probe_max_train_per_label", "run.probe_seeds",
 }
 # how the global batch is split: may change on resume when the product with the processes is kept
@@ -409,13 +413,14 @@ def model_card(cfg: Config, steps: int, tokens: int, eval_before: dict[str, floa
             **({"base_model": hub_base} if hub_base else {}),
             **({"datasets": [data.dataset_name]} if data.dataset_name and not Path(data.dataset_name).exists() else {})}
     rows = [("training steps", f"{steps}"), ("tokens trained on", f"{tokens:,}"),
-            ("sequence length", f"{data.max_seq_length}"), ("masking", f"{data.mlm_probability:.0%}"
-             + (", whole words" if data.whole_word_mask else "")), ("learning rate", f"{cfg.training.learning_rate:g}"),
+            ("sequence length", f"{data.max_seq_length}"), ("masking", describe_masking(
+                data.mlm_probability, data.mask_replace_prob, data.random_replace_prob, data.whole_word_mask)),
+            ("learning rate", f"{cfg.training.learning_rate:g}"),
             ("weights", weights)]
     for name, result in (("before", eval_before), ("after", eval_after)):
         if result:
-            rows.append((f"held-out perplexity {name} training", f"{result['perplexity']:.2f} (masked-token "
-                         f"accuracy {result['accuracy']:.3f})"))
+            rows.append((f"held-out perplexity {name} training{masked_note(result)}",
+                         f"{result['perplexity']:.2f} (masked-token accuracy {result['accuracy']:.3f})"))
     table = "\n".join(f"| {key} | {value} |" for key, value in rows)
     return (f"---\n{yaml.safe_dump(meta, sort_keys=False)}---\n\n# {Path(cfg.run.output_dir).resolve().name}\n\n"
             f"{origin} on {source}, trained with mlm_ddp.\n\n"

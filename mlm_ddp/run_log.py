@@ -306,7 +306,8 @@ class RunLog:
         for _line, record in read_metrics_lines(self.path):
             if "eval_loss" in record:
                 return {"loss": record["eval_loss"], "perplexity": record["perplexity"],
-                        "accuracy": record["eval_accuracy"]}
+                        "accuracy": record["eval_accuracy"], **({"mlm_probability": record["eval_mlm_probability"]}
+                                                                if "eval_mlm_probability" in record else {})}
         return None
 
     def close(self) -> None:

@@ -33,7 +33,7 @@ from mlm_ddp import collectives, distributed, precision, probing
 from mlm_ddp import data as mdata
 from mlm_ddp.config import Config, parse_args
 from mlm_ddp.errors import EXIT_FAILED, BadInput, Preempted, RunEnded, say
-from mlm_ddp.evaluation import Evaluator
+from mlm_ddp.evaluation import Evaluator, masked_note
 from mlm_ddp.heartbeat import Beat, Heartbeat, diagnose
 from mlm_ddp.hub import check_hub, push
 from mlm_ddp.model import load_model, load_model_config, load_tokenizer, max_positions
@@ -166,6 +166,7 @@ class Training:
     hooks: Hooks
     spikes: LossSpikes  # --on_loss_spike
     skips: SkippedSteps  # what follows a step whose update was skipped
+    every: probing.EveryEval  # --probe_every_eval
 
     @property
     def start(self) -> ckpt.TrainerState:
@@ -208,11 +209,13 @@ def build(cfg: Config, checked: Checked, hooks: Hooks) -> Training:
     usage = utilisation(checked.model_config, cfg.data.max_seq_length, cfg.run.peak_tflops, accelerator, model)
     log = RunLog(cfg, accelerator, checked.trackers, start.state.step, data.total_steps, start.resume_from is not None,
                  start.state.tokens_seen, usage, heartbeat.beat)
-    evaluator = Evaluator(cfg.run.eval_steps, data.total_steps, accelerator, model, data.eval_loader, heartbeat.beat)
+    every = probing.EveryEval(cfg, accelerator, wait, checked.folder, model, checked.tokenizer, heartbeat.beat)
+    evaluator = Evaluator(cfg.run.eval_steps, data.total_steps, accelerator, model, data.eval_loader, heartbeat.beat,
+                          mlm_probability=cfg.data.eval_mlm_probability, then=every.at_eval)
     spikes = LossSpikes(cfg.run.on_loss_spike, cfg.run.loss_spike_factor, cfg.run.loss_spike_window)
     skips = SkippedSteps(cfg.run.on_nonfinite_loss, accelerator, spikes, checkpointer.latest)
     return Training(cfg, checked, accelerator, wait, data, model, optimizer, scheduler, feed, stream_state, log,
-                    evaluator, checkpointer, heartbeat, hooks, spikes, skips)
+                    evaluator, checkpointer, heartbeat, hooks, spikes, skips, every)
 
 
 def watch(cfg: Config, checked: Checked, world: int) -> Watchdog | None:
@@ -406,7 +409,7 @@ def finish(run: Training, steps: int, started: float, probed_before: dict | None
     run.heartbeat.beat(steps, "final save")
     final = folder.save_final(accelerator, run.wait, run.model, run.checked.tokenizer, card)
     probed = probing.after_training(run.cfg, accelerator, run.wait, log, run.heartbeat.beat, steps, final,
-                                    probed_before)
+                                    probed_before, run.every)
     tokens_per_s = (tokens_seen - run.start.tokens_seen) / max(log.clock.training_s, 1e-9)
     result = TrainResult(
         steps=steps, tokens_seen=tokens_seen, wall_time_s=time.perf_counter() - started, tokens_per_s=tokens_per_s,
@@ -445,7 +448,7 @@ def summary_line(result: TrainResult) -> str:
             + (f", MFU {result.mfu:.1%}" if result.mfu is not None else "") + ")")
     before, after = result.eval_before, result.eval_after
     if before and after:
-        line += (f"; eval loss {before['loss']:.4f} -> {after['loss']:.4f}, "
+        line += (f"; eval{masked_note(before, after)} loss {before['loss']:.4f} -> {after['loss']:.4f}, "
                  f"perplexity {before['perplexity']:.2f} -> {after['perplexity']:.2f}, "
                  f"accuracy {before['accuracy']:.3f} -> {after['accuracy']:.3f}")
     return line + probing.line(result.probe) + f"; model in {result.final_dir}"

@@ -2,7 +2,8 @@
 starting model before training and final/ after it; `before` is the standalone probe's figure of the
 starting model (same seeds, same subsamples); summary.json, metrics.jsonl, the closing line, the model
 card and the report carry both; bad probe files stop the run before anything is written; two processes
-finish (the others wait in the patient group while rank 0 probes)."""
+finish (the others wait in the patient group while rank 0 probes). --probe_every_eval probes at each
+evaluation and keeps the model of the best one as best_probe/, which probes to the figure recorded."""
 
 from __future__ import annotations
 
@@ -36,7 +37,8 @@ def probed_args(tiny_model: Path, corpus: dict, out: Path, files: dict[str, Path
 @pytest.fixture(scope="module")
 def probed_run(tiny_model: Path, corpus: dict, probe_files: dict, tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("probed") / "run"
-    train(parse_args(probed_args(tiny_model, corpus, out, probe_files)))
+    train(parse_args(probed_args(tiny_model, corpus, out, probe_files, "--probe_every_eval", "--eval_steps",
+                                 str(STEPS // 2))))
     return out
 
 
@@ -55,10 +57,14 @@ def test_before_is_the_standalone_probe_of_the_starting_model(probed_run: Path, 
 
 def test_metrics_card_and_report_carry_both(probed_run: Path) -> None:
     lines = [r for r in read_metrics(probed_run) if "probe" in r]
-    assert [(r["probe"], r["step"]) for r in lines] == [("before", 0), ("after", STEPS)]
+    assert [(r["probe"], r["step"]) for r in lines] == [("before", 0), ("eval", STEPS // 2), ("eval", STEPS),
+                                                         ("after", STEPS)]
+    # the last evaluation probed final/'s very weights: "after" reuses its figures
+    assert {k: v for k, v in lines[2].items() if k.startswith("probe_")} == {
+        k: v for k, v in lines[3].items() if k.startswith("probe_")}
     assert all(0 <= r["probe_accuracy"] <= 1 and 0 <= r["probe_macro_f1"] <= 1 for r in lines)
     card = (probed_run / "final" / "README.md").read_text()
-    assert "## Downstream probe" in card and "| before |" in card and "| after |" in card
+    assert "## Downstream probe" in card and "| before |" in card and "| after |" in card and "| best (step " in card
     report = (probed_run / "report.html").read_text() if (probed_run / "report.html").exists() else ""
     assert "downstream probe" in report.lower()
 
@@ -89,7 +95,29 @@ def test_two_processes_finish_with_the_probe(tiny_model: Path, corpus: dict, pro
     proc = run_module([*LAUNCH, "--config_file", str(CONFIGS / "cpu_ddp.yaml"), "--num_processes", "2",
                        "--main_process_port", str(free_port()), "-m", "mlm_ddp.train",
                        *probed_args(tiny_model, corpus, out, probe_files, "--report", "false",
-                                    "--save_timeout", "120")], timeout=300)
+                                    "--save_timeout", "120", "--probe_every_eval", "--eval_steps", "2")],
+                      timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())["probe"]
     assert summary["before"]["accuracy"] > 0 and summary["after"]["accuracy"] > 0
+    assert summary["best"]["step"] in (2, 4) and (out / "best_probe" / "config.json").exists()
+
+
+def test_every_eval_keeps_the_best_probe(probed_run: Path, probe_files: dict) -> None:
+    evals = [r for r in read_metrics(probed_run) if r.get("probe") == "eval"]
+    best = max(evals, key=lambda r: r["probe_accuracy"])  # the first of equals: a tie keeps the earlier
+    kept = json.loads((probed_run / "best_probe" / "probe.json").read_text())
+    assert kept["step"] == best["step"] and kept["accuracy"] == best["probe_accuracy"]
+    assert json.loads((probed_run / "summary.json").read_text())["probe"]["best"] == kept
+    again = probe(probed_run / "best_probe", None, ProbeConfig(train_file=str(probe_files["train"]),
+                                                               test_file=str(probe_files["test"]), seeds=3))
+    assert again["accuracy"] == kept["accuracy"] and again["macro_f1"] == kept["macro_f1"]
+    assert not list(probed_run.glob(".tmp-*")) and not list(probed_run.glob(".old-*"))
+
+
+def test_every_eval_needs_the_probe_and_evaluations(tiny_model: Path, corpus: dict, probe_files: dict,
+                                                    tmp_path: Path) -> None:
+    with pytest.raises(BadInput, match="--probe_every_eval .* --probe_train_file"):
+        parse_args(tiny_args(tiny_model, corpus, tmp_path, "--probe_every_eval", "--eval_steps", "2"))
+    with pytest.raises(BadInput, match="--eval_steps"):
+        parse_args(probed_args(tiny_model, corpus, tmp_path, probe_files, "--probe_every_eval"))

@@ -116,6 +116,11 @@ class RunConfig:
         default="linear")
     probe_max_train_per_label: int = _doc("The probe's training texts per label and seed (0: all).", default=8)
     probe_seeds: int = _doc("The probe's seeds (subsamples) averaged over.", default=10)
+    probe_every_eval: bool = _doc(
+        "Also probe at each evaluation (--eval_steps), to see where the downstream score peaks: the model as it "
+        "is then is written beside final/ and probed there, and the one of the best probe accuracy is kept as "
+        "best_probe/ (its step and figures in best_probe/probe.json). Each costs a save of the model and a probe.",
+        default=False)
 
     def probing(self) -> bool:
         return self.probe_train_file is not None or self.probe_test_file is not None
@@ -123,6 +128,12 @@ class RunConfig:
     def __post_init__(self) -> None:
         if self.probing() and (self.probe_train_file is None or self.probe_test_file is None):
             raise BadInput("the probe needs both --probe_train_file and --probe_test_file")
+        if self.probe_every_eval and not self.probing():
+            raise BadInput("--probe_every_eval probes at each evaluation: give --probe_train_file and "
+                           "--probe_test_file too")
+        if self.probe_every_eval and self.eval_steps is None:
+            raise BadInput("--probe_every_eval probes at each evaluation, and without --eval_steps there is only the "
+                           "last: set --eval_steps N")
         if not self.output_dir:
             raise BadInput("--output_dir must not be empty")
         if self.logging_steps < 1:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from mlm_ddp.errors import BadInput
+from mlm_ddp.masking import check_masking
 
 
 def _doc(text: str, **kwargs: Any) -> Any:
@@ -152,7 +153,23 @@ class DataConfig:
         "token is padding except in the last block of each tokenization batch.",
         default=128,
     )
-    mlm_probability: float = _doc("Fraction of tokens (or words) selected for masking.", default=0.15)
+    mlm_probability: float = _doc("Fraction of tokens (or words) selected for masking in training.", default=0.15)
+    eval_mlm_probability: float = _doc(
+        "Fraction of tokens (or words) selected for masking in evaluation, whatever --mlm_probability trains "
+        "at (ModernBERT trains at 30%% and evaluates at 15%%): perplexities of runs at other training rates "
+        "then score the same masked positions of each held-out block, with BERT's 80/10/10 split.",
+        default=0.15,
+    )
+    mask_replace_prob: float = _doc(
+        "Training: the share of the selected tokens replaced by [MASK] (transformers' "
+        "DataCollatorForLanguageModeling: BERT 0.8; NeoBERT 1.0).",
+        default=0.8,
+    )
+    random_replace_prob: float = _doc(
+        "Training: the share of the selected tokens replaced by a random ordinary token (BERT 0.1); the "
+        "rest, 1 - --mask_replace_prob - this, stay unchanged. The two sum to at most 1.",
+        default=0.1,
+    )
     whole_word_mask: bool = _doc(
         "Select whole words for masking (every sub-token of a selected word), not single tokens.",
         default=False,
@@ -184,11 +201,8 @@ class DataConfig:
     dataloader_num_workers: int = _doc("DataLoader worker processes per rank.", default=0)
 
     def __post_init__(self) -> None:
-        if not 0.0 < self.mlm_probability < 1.0:
-            raise BadInput(
-                f"--mlm_probability must be strictly between 0 and 1, got {self.mlm_probability} "
-                "(the usual value is 0.15)"
-            )
+        check_masking(self.mlm_probability, self.mask_replace_prob, self.random_replace_prob)
+        check_masking(self.eval_mlm_probability, 0.8, 0.1, rate_flag="--eval_mlm_probability")
         if self.max_seq_length < 8:
             raise BadInput(f"--max_seq_length must be at least 8, got {self.max_seq_length}")
         if not 0.0 <= self.validation_split_percentage < 100.0:

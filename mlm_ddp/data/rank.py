@@ -70,14 +70,20 @@ def rank_data(data: DataConfig, training: TrainingConfig, tokenizer: Any, raw_tr
     with patient_main_process_first(accelerator, preprocessing_timeout):
         train_ds = rank_dataset(raw_train, tokenizer, data, rank, world, shuffle_seed=training.seed)
         eval_ds = None if raw_eval is None else rank_dataset(raw_eval, tokenizer, data, rank, world)
-    masking = dict(mlm_probability=data.mlm_probability, whole_word_mask=data.whole_word_mask,
-                   seed=training.seed, pad_to=data.max_seq_length if data.pad_to_max_length else 0)
-    train_collator = MaskingCollator.for_tokenizer(tokenizer, split=TRAIN_SPLIT, **masking)
+    common = dict(whole_word_mask=data.whole_word_mask, seed=training.seed,
+                  pad_to=data.max_seq_length if data.pad_to_max_length else 0)
+    train_collator = MaskingCollator.for_tokenizer(
+        tokenizer, split=TRAIN_SPLIT, mlm_probability=data.mlm_probability, mask_replace_prob=data.mask_replace_prob,
+        random_replace_prob=data.random_replace_prob, **common)
+    # evaluation: its own rate and BERT's 80/10/10 (the collator's defaults), whatever the training masks,
+    # so that runs of other training recipes are scored on the same held-out inputs
+    eval_collator = MaskingCollator.for_tokenizer(tokenizer, split=EVAL_SPLIT,
+                                                  mlm_probability=data.eval_mlm_probability, **common)
     pin = accelerator.device.type == "cuda"
     train_dl = train_loader(train_ds, train_collator, training.per_device_train_batch_size, rank, world,
                             training.seed, data.dataloader_num_workers, layout_batch, pin)
     eval_dl = None if eval_ds is None else eval_loader(
-        eval_ds, MaskingCollator.for_tokenizer(tokenizer, split=EVAL_SPLIT, **masking),
+        eval_ds, eval_collator,
         training.per_device_eval_batch_size, rank, world, data.dataloader_num_workers, pin)
     if is_stream(train_ds):
         return RankData(train_ds, train_dl, train_collator, eval_dl, training.max_train_steps,
