@@ -39,8 +39,9 @@ logger = get_logger(__name__)
 STOPPED_FILE = "stopped.json"  # why a run stopped early; torchrun turns every worker exit code into 1
 SUMMARY_FILE = "summary.json"
 # everything a run writes into its folder: what --overwrite_output_dir removes
+BEST_PROBE = "best_probe"  # --probe_every_eval: the model of the best downstream probe score (probing.py)
 RUN_OUTPUTS = ("config.yaml", "metrics.jsonl", SUMMARY_FILE, "final", "checkpoints", "logs", STOPPED_FILE,
-               "report.html", "report_plots")
+               "report.html", "report_plots", BEST_PROBE)
 
 
 # Settings that may differ on resume: they change what is logged or kept and how long the run goes,
@@ -59,7 +60,7 @@ RESUMABLE_CHANGES = {
     "run.probe_train_file", "run.probe_test_file", "run.probe_text_column", "run.probe_label_column",
     # what is evaluated, not what a step computes
     "data.eval_mlm_probability",
-    "run.probe_mode", "run.probe_max_train_per_label", "run.probe_seeds",
+    "run.probe_mode", "run.probe_max_train_per_label", "run.probe_seeds", "run.probe_every_eval",
 }
 # how the global batch is split: may change on resume when the product with the processes is kept
 BATCH_SPLIT = {"training.per_device_train_batch_size", "training.gradient_accumulation_steps"}
@@ -364,7 +365,16 @@ class RunFolder:
         source's pipeline files (st_files.py) into final/, via a temporary folder renamed at the end."""
         final, tmp = self.path / "final", self.path / ".tmp-final"
         wait.barrier()
-        weights = accelerator.get_state_dict(model)  # every rank: FSDP gathers the shards to rank 0
+        self.write_model(accelerator, model, tokenizer, card, tmp)
+        if accelerator.is_main_process:
+            replace_folder(tmp, final)
+        wait.barrier()
+        return final
+
+    def write_model(self, accelerator: Accelerator, model: Any, tokenizer: Any, card: str, tmp: Path) -> None:
+        """Every rank (FSDP gathers the shards to rank 0); the main process writes the model as final/ holds
+        it into the folder `tmp`, which it empties first."""
+        weights = accelerator.get_state_dict(model)
         if accelerator.is_main_process:
             if tmp.exists():
                 shutil.rmtree(tmp)
@@ -373,11 +383,6 @@ class RunFolder:
             tokenizer.save_pretrained(tmp)
             (tmp / "README.md").write_text(card)
             st_files.copy_into(self.cfg.model, tmp)  # a sentence-transformers source's pipeline files
-            if final.exists():
-                shutil.rmtree(final)
-            tmp.rename(final)
-        wait.barrier()
-        return final
 
     def write_report(self) -> None:
         """report.html and its plots (main process only)."""
@@ -388,6 +393,19 @@ class RunFolder:
                            type(err).__name__, err, self.path)
             return
         logger.info("report: %s\n%s", page, summary)
+
+
+def replace_folder(tmp: Path, target: Path) -> None:
+    """`tmp`, complete, becomes `target`. An earlier `target` is moved aside first and removed last, so
+    that a crash in between leaves one of the two whole."""
+    aside = target.with_name(f".old-{target.name}")
+    if aside.exists():
+        shutil.rmtree(aside)
+    if target.exists():
+        target.rename(aside)
+    tmp.rename(target)
+    if aside.exists():
+        shutil.rmtree(aside)
 
 
 def model_card(cfg: Config, steps: int, tokens: int, eval_before: dict[str, float] | None,
