@@ -1,4 +1,5 @@
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -148,3 +149,75 @@ def test_a_tokenizer_without_ordinary_tokens_stops_the_run_before_anything_is_wr
     errors = [x for x in capsys.readouterr().err.splitlines() if x.startswith("mlm_ddp.train: error:")]
     assert len(errors) == 1 and "holds special tokens only" in errors[0] and "--tokenizer_name" in errors[0], errors
     assert not out.exists()
+
+
+# The replacement split, measured over many blocks. A random replacement draws from the ordinary ids, the
+# original one among them: with probability 1/len(ordinary ids) it puts the token back, and is seen as kept.
+ORDINARY = VOCAB - len(SPECIAL)
+
+
+def within_binomial(count: int, n: int, p: float, sigmas: float = 5.0) -> bool:
+    """Whether `count` successes of `n` draws at probability `p` lie within `sigmas` standard deviations of n*p
+    (exact at p 0 or 1). 5 sigma: a correct collator fails one check in ~1.7 million, on any machine; the
+    masks are seeded, so a given case passes or fails the same way everywhere."""
+    return abs(count - n * p) <= sigmas * math.sqrt(n * p * (1 - p))
+
+
+@pytest.mark.parametrize(("mask", "random", "whole_word"), [
+    (0.8, 0.1, False), (1.0, 0.0, False), (0.5, 0.4, True), (0.0, 1.0, False), (0.6, 0.2, True), (0.0, 0.0, True),
+])
+def test_the_replacement_split_matches_the_flags(mask: float, random: float, whole_word: bool) -> None:
+    examples = blocks(200, 128, seed=7)  # 25,600 tokens, ~7,700 selected at 0.3
+    original = np.array([e["input_ids"] for e in examples])
+    masked = collator(mlm_probability=0.3, whole_word_mask=whole_word, mask_replace_prob=mask,
+                      random_replace_prob=random)(examples)
+    inputs, labels = masked["input_ids"].numpy(), masked["labels"].numpy()
+    selected = labels != IGNORE_INDEX
+    n = int(selected.sum())
+    seen_mask = int((selected & (inputs == MASK)).sum())
+    seen_kept = int((selected & (inputs == original)).sum())
+    seen_random = n - seen_mask - seen_kept
+    assert within_binomial(seen_mask, n, mask), (seen_mask, n)
+    assert within_binomial(seen_random, n, random * (1 - 1 / ORDINARY)), (seen_random, n)
+    assert within_binomial(seen_kept, n, 1 - mask - random + random / ORDINARY), (seen_kept, n)
+    assert not np.isin(inputs[selected & (inputs != original) & (inputs != MASK)], SPECIAL).any()
+    assert (inputs[~selected] == original[~selected]).all()
+    # the split moves no position: the same blocks under BERT's split select the same tokens
+    bert = collator(mlm_probability=0.3, whole_word_mask=whole_word)(examples)["labels"].numpy()
+    assert np.array_equal(bert != IGNORE_INDEX, selected)
+
+
+@pytest.mark.parametrize("whole_word", [False, True])
+def test_positions_at_a_lower_rate_are_a_subset_of_those_at_a_higher_one(whole_word: bool) -> None:
+    """What evaluation at a fixed rate rests on: a block's positions at 15% follow from its seed alone."""
+    examples = blocks(40, 128, seed=11)
+    chosen = {rate: collator(mlm_probability=rate, whole_word_mask=whole_word, seed=5)(examples)["labels"].numpy()
+              != IGNORE_INDEX for rate in (0.15, 0.3, 0.5)}
+    assert (chosen[0.15] <= chosen[0.3]).all() and (chosen[0.3] <= chosen[0.5]).all()
+    assert chosen[0.15].sum() < chosen[0.3].sum() < chosen[0.5].sum()
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--mask_replace_prob", "1.2"], r"--mask_replace_prob is a fraction of the selected tokens, in \[0, 1\]; got 1.2"),
+    (["--random_replace_prob", "-0.1"], r"--random_replace_prob is a fraction .* got -0.1"),
+    (["--mask_replace_prob", "0.9", "--random_replace_prob", "0.2"],
+     r"--mask_replace_prob 0.9 \+ --random_replace_prob 0.2 exceeds 1"),
+    (["--eval_mlm_probability", "0"], r"--eval_mlm_probability must be strictly between 0 and 1, got 0.0"),
+    (["--eval_mlm_probability", "1"], r"--eval_mlm_probability must be strictly between 0 and 1"),
+])
+def test_bad_masking_flags_are_refused_with_the_flag_named(flags: list[str], message: str) -> None:
+    from mlm_ddp.config import parse_args
+
+    with pytest.raises(BadInput, match=message):
+        parse_args(flags)
+    with pytest.raises(BadInput):
+        collator(mask_replace_prob=0.7, random_replace_prob=0.4)  # the collator checks its own split too
+
+
+def test_neobert_and_keep_all_splits_are_accepted() -> None:
+    from mlm_ddp.config import parse_args
+
+    data = parse_args(["--mlm_probability", "0.2", "--mask_replace_prob", "1", "--random_replace_prob", "0"]).data
+    assert (data.mlm_probability, data.eval_mlm_probability, data.mask_replace_prob, data.random_replace_prob) == (
+        0.2, 0.15, 1.0, 0.0)
+    assert parse_args(["--mask_replace_prob", "0.7", "--random_replace_prob", "0.3"]).data.random_replace_prob == 0.3
