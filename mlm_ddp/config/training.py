@@ -65,16 +65,18 @@ class TrainingConfig:
         "max(exp_avg_sq, eps^2)), with --weight_decay fully decoupled from the learning rate's size: each step "
         "decays weights by weight_decay x lr / peak lr of their group (ModernBERT: 1e-5; 1e-3 and more are "
         "refused). Both: the same --adam_beta1/2 and --adam_epsilon (ModernBERT: 0.9, 0.98, 1e-6), no decay "
-        "on biases and norms, --max_grad_norm still clips the global norm first (ModernBERT: 0, off). Cost: "
-        "optimi's foreach and for-loop paths read each tensor's RMS on the host, one wait for the device per "
-        "parameter tensor per step; its Triton kernels (--optimizer_impl fused, CUDA only) read none. Cannot "
+        "on biases and norms, --max_grad_norm still clips the global norm first (ModernBERT: 0, off). Cost in "
+        "waits for the device per step, beside the loop's one: the gradient norm's finiteness (a fused AdamW "
+        "skips on the device instead), and on optimi's foreach and for-loop paths (a CPU, FSDP2) one per "
+        "parameter tensor, its RMS; its Triton kernels (--optimizer_impl fused, CUDA) read none. Cannot "
         "change on resume (docs/performance.md 'The optimizer').",
         default="adamw",
     )
     optimizer_impl: Literal["fused", "foreach", "for-loop"] = _doc(
-        "Optimizer implementation: 'fused' (AdamW: one kernel for all parameters; StableAdamW: optimi's Triton "
-        "kernels, which need a CUDA device and triton, else its foreach path with a warning), 'foreach' (batched "
-        "tensor ops) or 'for-loop' (per-parameter reference, torch's CPU default). All compute the same update.",
+        "Optimizer implementation: 'fused' (AdamW: one kernel for all parameters; StableAdamW: optimi's choice, "
+        "its Triton kernels where the parameters are plain tensors on a CUDA device and triton imports, else "
+        "its for-loop), 'foreach' (batched tensor ops) or 'for-loop' (per-parameter reference, torch's CPU "
+        "default). All compute the same update.",
         default="fused",
     )
     torch_compile: bool = _doc(
