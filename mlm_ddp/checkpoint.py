@@ -33,6 +33,7 @@ from mlm_ddp.config import RunConfig
 from mlm_ddp.durable import fsync_dir, fsync_tree
 from mlm_ddp.errors import BadInput, CheckpointWriteError
 from mlm_ddp.heartbeat import PhaseReport, unreported
+from mlm_ddp.schedule import continue_schedule
 
 logger = get_logger(__name__)
 MARKER = "COMPLETE"
@@ -405,7 +406,8 @@ class Checkpointer:
         try:
             with self.patient():
                 self.accelerator.load_state(str(path))
-            self.scheduler.load_state_dict(json.loads((path / SCHEDULER_FILE).read_text()))
+            # its step count only: this run's schedule (schedule.py) sets the rate from there
+            continue_schedule(self.scheduler, json.loads((path / SCHEDULER_FILE).read_text()))
             # accelerate restores its micro-batch counter, which decides the micro-batch that all-reduces
             # the gradients: recount it for this run's accumulation (a resume may change it)
             self.accelerator.step = step * self.accelerator.gradient_accumulation_steps

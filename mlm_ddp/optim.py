@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 from accelerate.logging import get_logger
-from transformers import PreTrainedModel, get_scheduler
+from transformers import PreTrainedModel
 
 from mlm_ddp.collectives import sharded
 from mlm_ddp.config import ModelConfig, TrainingConfig
@@ -22,6 +22,7 @@ from mlm_ddp.model import (
     tied_parameters,
     wrap_model,
 )
+from mlm_ddp.schedule import build_scheduler
 
 logger = get_logger(__name__)
 
@@ -100,8 +101,7 @@ def prepare_for_training(accelerator: Any, transformers_model: PreTrainedModel, 
     materialize_meta(model)  # before the optimizer takes the parameters
     optimizer = build_optimizer(model, training)
     # the scheduler is stepped by us once per optimizer step: not prepared, saved as JSON
-    scheduler = get_scheduler(training.lr_scheduler_type, optimizer, num_warmup_steps=training.num_warmup_steps,
-                              num_training_steps=total_steps)
+    scheduler = build_scheduler(optimizer, training, total_steps)  # schedule.py
     ties = tied_parameters(model.model)
     n_params = sum(p.numel() for p in model.model.parameters())  # before FSDP leaves each rank its shard
     if sharded(accelerator):

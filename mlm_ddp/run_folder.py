@@ -22,9 +22,9 @@ import yaml
 from accelerate import Accelerator
 from accelerate.logging import get_logger
 
+from mlm_ddp import branch, st_files
 from mlm_ddp import checkpoint as ckpt
 from mlm_ddp import data as mdata
-from mlm_ddp import st_files
 from mlm_ddp.collectives import MainProcessWait
 from mlm_ddp.config import Config
 from mlm_ddp.durable import write_atomic
@@ -127,16 +127,17 @@ def config_changes(saved: dict, current: dict) -> dict[str, tuple[object, object
     return changes
 
 
-def check_resume(path: Path, current: dict, world_size: int,
-                 sharded: bool = False) -> tuple[ckpt.TrainerState, dict]:
+def check_resume(path: Path, current: dict, world_size: int, sharded: bool = False,
+                 accepted: frozenset[str] = frozenset()) -> tuple[ckpt.TrainerState, dict]:
     """The state to continue from, after checking that this run may continue it; also returns the
     accepted config changes (to be logged). Refusals name what differs. Another number of processes
-    is accepted when the global batch is kept (`check_global_batch`)."""
+    is accepted when the global batch is kept (`check_global_batch`); `accepted`: more settings that
+    may change (a decay branch's: branch.BRANCH_CHANGES)."""
     state, saved = ckpt.check_files(path, world_size, sharded)
     old_batch, old_accumulation = _batch_split(saved)
     check_global_batch(path, (old_batch, state.world_size, old_accumulation), (*_batch_split(current), world_size))
     changes = config_changes(saved, current)
-    refused = {k: v for k, v in changes.items() if k not in RESUMABLE_CHANGES | BATCH_SPLIT}
+    refused = {k: v for k, v in changes.items() if k not in RESUMABLE_CHANGES | BATCH_SPLIT | accepted}
     if refused:
         listed = "; ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in refused.items())
         raise BadInput(
@@ -256,8 +257,11 @@ class RunFolder:
         if path is None:
             fresh = ckpt.TrainerState(step=0, epoch=0, batch_in_epoch=0, tokens_seen=0, world_size=world_size)
             return Start(fresh, world_size, None, clear_earlier, written_by=world_size)
-        data = self.cfg.data
-        state, changes = check_resume(path, self.cfg.to_dict(), world_size, sharded=sharded)
+        data, branching = self.cfg.data, self.cfg.run.decay_from is not None and not own
+        state, changes = check_resume(path, self.cfg.to_dict(), world_size, sharded=sharded,
+                                      accepted=branch.BRANCH_CHANGES if branching else frozenset())
+        if branching:  # a decay branch starts from another run's checkpoint of the stable phase
+            branch.check_source(path, ckpt.check_files(path, world_size, sharded)[1])
         if data.streaming:
             mdata.check_stream_resume(datasets.__version__)
         metrics = self.path / "metrics.jsonl"
@@ -274,6 +278,8 @@ class RunFolder:
         if out.exists() and not out.is_dir():
             raise BadInput(f"--output_dir {out} exists and is not a folder")
         earlier = self.earlier_outputs()
+        if run.decay_from is not None:
+            return self._plan_branch(earlier)
         if run.resume_from_checkpoint == "auto":
             return self._plan_auto(earlier)
         if run.resume_from_checkpoint is not None:
@@ -307,6 +313,27 @@ class RunFolder:
         # an earlier attempt of this run died before its first checkpoint: nothing to continue from
         return None, bool(earlier), False
 
+    def _plan_branch(self, earlier: list[str]) -> FolderPlan:
+        """--decay_from: start from the source checkpoint, or (--resume_from_checkpoint) continue the
+        branch's own checkpoints; 'auto': its own newest, else the source."""
+        run, out, source = self.cfg.run, self.path, Path(self.cfg.run.decay_from)
+        spec = run.resume_from_checkpoint
+        if spec == "auto":
+            path, clear, own = self._plan_auto(earlier)
+            if path is not None:
+                return path, clear, own
+        elif spec is not None:
+            path, clear, own = self._plan_resume(spec, earlier)
+            if not own:
+                raise BadInput(f"--resume_from_checkpoint {spec} with --decay_from: it continues this branch's own "
+                               f"checkpoints, in --output_dir {out}; --decay_from names where the branch starts")
+            return path, clear, own
+        if not source.is_dir():
+            raise BadInput(f"--decay_from {source}: no such folder")
+        branch.check_outside(source, out)
+        path, clear, own = self._plan_resume(str(source), [] if spec == "auto" else earlier)
+        return path, clear or (spec == "auto" and bool(earlier)), own
+
     def _plan_resume(self, spec: str, earlier: list[str]) -> FolderPlan:
         out, overwrite = self.path, self.cfg.run.overwrite_output_dir
         path = resolve_resume(spec, out)
@@ -339,6 +366,8 @@ class RunFolder:
                         target.unlink()
             out.mkdir(parents=True, exist_ok=True)
         wait.barrier()
+        if (line := branch.describe(self.cfg)) is not None:
+            logger.info("%s", line)
         if accelerator.is_main_process:
             write_atomic(out / "config.yaml", self.cfg.to_yaml())
             (out / STOPPED_FILE).unlink(missing_ok=True)  # this run continues what stopped
@@ -441,7 +470,7 @@ def model_card(cfg: Config, steps: int, tokens: int, eval_before: dict[str, floa
                          f"{result['perplexity']:.2f} (masked-token accuracy {result['accuracy']:.3f})"))
     table = "\n".join(f"| {key} | {value} |" for key, value in rows)
     return (f"---\n{yaml.safe_dump(meta, sort_keys=False)}---\n\n# {Path(cfg.run.output_dir).resolve().name}\n\n"
-            f"{origin} on {source}, trained with mlm_ddp.\n\n"
+            f"{origin} on {source}, trained with mlm_ddp.\n\n{branch.card_line(cfg)}"
             f"| | |\n| --- | --- |\n{table}\n\n## Use\n\n```python\nfrom transformers import pipeline\n\n"
             f"fill = pipeline(\"fill-mask\", model=\"PATH_OR_REPO\")\n```\n\n{st_files.card_line(model)}"
             f"## Training command\n\n```\n{cfg.command_line()}\n```\n")

@@ -28,8 +28,8 @@ from accelerate import Accelerator
 from accelerate.logging import get_logger
 from accelerate.utils import set_seed
 
+from mlm_ddp import branch, collectives, distributed, precision, probing
 from mlm_ddp import checkpoint as ckpt
-from mlm_ddp import collectives, distributed, precision, probing
 from mlm_ddp import data as mdata
 from mlm_ddp.config import Config, parse_args
 from mlm_ddp.errors import EXIT_FAILED, BadInput, Preempted, RunEnded, say
@@ -97,6 +97,7 @@ class Checked:
 
 
 def preflight(cfg: Config) -> Checked:
+    branch.resolve(cfg)  # --decay_from: the run's end and decay, in steps (branch.py)
     tokenizer = load_tokenizer(cfg.model, needs_word_ids=cfg.data.whole_word_mask)
     model_config = load_model_config(cfg.model, tokenizer)
     limit = max_positions(model_config, tokenizer)

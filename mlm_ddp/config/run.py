@@ -36,6 +36,14 @@ class RunConfig:
         "it is).",
         default=None,
     )
+    decay_from: str | None = _doc(
+        "A decay branch: a checkpoint folder (OUT/checkpoints/step-N) of a warmup_stable_decay run in its stable "
+        "phase, continued in --output_dir (another folder: the source is only read, and its run can go on) with "
+        "a decay of --num_decay_steps (a fraction: of this run's N + decay steps) that starts at step N; the run "
+        "ends at N + decay steps with its own final/ and evaluation. Other settings as the source's (its "
+        "config.yaml); add --resume_from_checkpoint auto to continue a branch that stopped.",
+        default=None,
+    )
     with_tracking: bool = _doc("Log metrics to the trackers of --report_to.", default=False)
     report_to: str = _doc(
         "Trackers for --with_tracking: 'tensorboard', 'wandb', 'mlflow', a comma list, or 'all'.",

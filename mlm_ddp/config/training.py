@@ -9,16 +9,13 @@ from typing import Literal
 from mlm_ddp.config.sections import _doc
 from mlm_ddp.errors import BadInput
 
-# transformers' schedules that run from (warm-up, total steps) alone, stepped once per optimizer step
+# transformers' schedules stepped once per optimizer step, from (warm-up, total steps) and the flags below
 SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
-              "inverse_sqrt")
+              "inverse_sqrt", "warmup_stable_decay", "cosine_with_min_lr", "cosine_warmup_with_min_lr")
 # transformers' other names, each refused with its reason
 SCHEDULERS_REFUSED = {
     "reduce_lr_on_plateau": "it steps on an evaluation metric, not once per optimizer step",
     "greedy": "it steps on an evaluation metric, not once per optimizer step",
-    "cosine_with_min_lr": "it needs a minimum learning rate, which mlm_ddp has no flag for",
-    "cosine_warmup_with_min_lr": "it needs a minimum learning rate, which mlm_ddp has no flag for",
-    "warmup_stable_decay": "it needs the number of decay steps, which mlm_ddp has no flag for",
 }
 
 
@@ -45,6 +42,21 @@ class TrainingConfig:
         f"Learning-rate schedule, counted in optimizer steps: {', '.join(SCHEDULERS)}.", default="linear"
     )
     num_warmup_steps: int = _doc("Optimizer steps of linear warm-up.", default=10)
+    num_decay_steps: float | None = _doc(
+        "warmup_stable_decay: optimizer steps of the decay that ends the run, or a fraction below 1 of the run's "
+        "steps (0.1: the last 10%%); 0: no decay, the rate stays at its peak after the warm-up however long the "
+        "run goes on, and a decay branch (--decay_from) decays from any of its checkpoints. Required with it.",
+        default=None,
+    )
+    decay_type: Literal["linear", "cosine", "1-sqrt"] = _doc(
+        "warmup_stable_decay: the decay's shape (transformers' get_wsd_schedule); ModernBERT's is 1-sqrt.",
+        default="cosine",
+    )
+    min_lr_ratio: float = _doc(
+        "warmup_stable_decay: the rate the decay ends at, as a fraction of the peak (the warm-up starts there "
+        "too); cosine_with_min_lr, cosine_warmup_with_min_lr: their floor (transformers' min_lr_rate).",
+        default=0.0,
+    )
     num_train_epochs: float = _doc("Passes over the training data (ignored if --max_train_steps is set).", default=1.0)
     max_train_steps: int | None = _doc(
         "Total optimizer steps; overrides --num_train_epochs. Required with --streaming.", default=None
@@ -98,6 +110,7 @@ class TrainingConfig:
         if self.lr_scheduler_type not in SCHEDULERS:
             why = SCHEDULERS_REFUSED.get(self.lr_scheduler_type, "not a schedule transformers knows")
             raise BadInput(f"--lr_scheduler_type {self.lr_scheduler_type}: {why}; use one of {', '.join(SCHEDULERS)}")
+        self.check_schedule()
         for name in ("learning_rate", "head_learning_rate"):
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise BadInput(f"--{name} must be positive, got {getattr(self, name)}")
@@ -111,6 +124,23 @@ class TrainingConfig:
             raise BadInput(f"--cpu_threads must be at least 1, got {self.cpu_threads}")
         if self.max_train_steps is not None and self.max_train_steps < 1:
             raise BadInput(f"--max_train_steps must be at least 1, got {self.max_train_steps}")
+
+    def check_schedule(self) -> None:
+        """The warmup_stable_decay flags: given with it, and not without it."""
+        wsd, decay = self.lr_scheduler_type == "warmup_stable_decay", self.num_decay_steps
+        if wsd and decay is None:
+            raise BadInput("--lr_scheduler_type warmup_stable_decay needs --num_decay_steps: steps (e.g. 2000), a "
+                           "fraction of the run below 1 (e.g. 0.1), or 0 for a stable phase without decay")
+        if not wsd and (decay is not None or self.decay_type != "cosine"):
+            raise BadInput(f"--num_decay_steps and --decay_type shape warmup_stable_decay's decay; "
+                           f"--lr_scheduler_type is {self.lr_scheduler_type}: drop them or use warmup_stable_decay")
+        if decay is not None and (decay < 0 or (decay >= 1 and decay != int(decay))):
+            raise BadInput(f"--num_decay_steps must be whole steps, a fraction in (0, 1), or 0; got {decay}")
+        if not 0 <= self.min_lr_ratio < 1:
+            raise BadInput(f"--min_lr_ratio must be in [0, 1), got {self.min_lr_ratio}")
+        if self.min_lr_ratio and not (wsd or self.lr_scheduler_type.endswith("with_min_lr")):
+            raise BadInput(f"--min_lr_ratio sets the floor of warmup_stable_decay, cosine_with_min_lr and "
+                           f"cosine_warmup_with_min_lr; --lr_scheduler_type is {self.lr_scheduler_type}")
 
 
 # optimi warns from here: fully decoupled decay of 1e-3 shrinks every weight by 0.1% per step at peak LR

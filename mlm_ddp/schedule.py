@@ -1,0 +1,70 @@
+"""The learning-rate schedule: transformers' own (`get_scheduler`, `get_wsd_schedule`), built from the
+training section and the run's total of optimizer steps; and how a resumed run takes up its count.
+
+Warmup-stable-decay (`--lr_scheduler_type warmup_stable_decay`): a linear warm-up of --num_warmup_steps,
+the peak rate, then a decay of --num_decay_steps (--decay_type, down to --min_lr_ratio x the peak) that
+ends with the run: with --max_train_steps T the stable phase is T - warm-up - decay steps. With
+--num_decay_steps 0 there is no decay and the stable phase has no end: the rate stays at its peak
+however far the run is continued (--max_train_steps may grow on resume), and a decay branch
+(--decay_from, branch.py) decays from any of its checkpoints.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from transformers import get_scheduler, get_wsd_schedule
+
+from mlm_ddp.config import TrainingConfig
+from mlm_ddp.errors import BadInput
+
+WSD = "warmup_stable_decay"
+MIN_LR = ("cosine_with_min_lr", "cosine_warmup_with_min_lr")  # transformers' cosines that take min_lr_rate
+
+
+def decay_steps(training: TrainingConfig, total_steps: int) -> int:
+    """--num_decay_steps in steps: a whole number as it is, a fraction below 1 of the run's total steps
+    (at least one step)."""
+    value = training.num_decay_steps or 0.0
+    return int(value) if value >= 1 or value == 0 else max(1, round(value * total_steps))
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, training: TrainingConfig,
+                    total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+    """transformers' schedule --lr_scheduler_type over `total_steps` optimizer steps, stepped once per step."""
+    name, warmup = training.lr_scheduler_type, training.num_warmup_steps
+    if name in MIN_LR:
+        return get_scheduler(name, optimizer, num_warmup_steps=warmup, num_training_steps=total_steps,
+                             scheduler_specific_kwargs={"min_lr_rate": training.min_lr_ratio})
+    if name != WSD:
+        return get_scheduler(name, optimizer, num_warmup_steps=warmup, num_training_steps=total_steps)
+    decay = decay_steps(training, total_steps)
+    if decay == 0:  # no decay: a stable phase without end (transformers counts it, so it is infinite)
+        return get_wsd_schedule(optimizer, warmup, 0, num_stable_steps=math.inf, min_lr_ratio=training.min_lr_ratio)
+    if warmup + decay > total_steps:
+        raise BadInput(f"--lr_scheduler_type {WSD}: --num_warmup_steps {warmup} and --num_decay_steps "
+                       f"{training.num_decay_steps} ({decay} steps) do not fit in the run's {total_steps} steps; "
+                       "lower them or raise --max_train_steps")
+    return get_wsd_schedule(optimizer, warmup, decay, num_training_steps=total_steps,
+                            decay_type=training.decay_type, min_lr_ratio=training.min_lr_ratio)
+
+
+def continue_schedule(scheduler: torch.optim.lr_scheduler.LambdaLR, saved: dict[str, Any]) -> None:
+    """Take up a saved schedule's step count, and nothing else: this run's schedule (built from its own
+    config, which a decay branch or a longer --max_train_steps changes) sets the rate from that step on.
+    Loading the whole state would keep the saved run's rate for the first step after the resume (its
+    optimizer's groups hold it)."""
+    step = int(saved["last_epoch"])
+    scheduler.last_epoch, scheduler._step_count = step, int(saved.get("_step_count", step + 1))
+    rates = [base * rate(step) for base, rate in zip(scheduler.base_lrs, scheduler.lr_lambdas, strict=True)]
+    for group, rate in zip(scheduler.optimizer.param_groups, rates, strict=True):
+        group["lr"] = rate
+    scheduler._last_lr = rates
+
+
+def at_peak(saved: dict[str, Any]) -> bool:
+    """A saved schedule whose rate after its last step is its peak in every parameter group (the
+    stable phase of warmup_stable_decay, or the first step of its decay)."""
+    return saved.get("_last_lr") == saved.get("base_lrs") and bool(saved.get("base_lrs"))
