@@ -279,7 +279,7 @@ def test_final_carries_a_model_card_and_no_token(tiny_model: Path, corpus: dict,
     assert "| training steps | 2 |" in card and f"| tokens trained on | {result.tokens_seen:,} |" in card
     for name in ("before", "after"):
         ppl = (result.eval_before if name == "before" else result.eval_after)["perplexity"]
-        assert f"| held-out perplexity {name} training | {ppl:.2f} " in card
+        assert f"| held-out perplexity {name} training (15% masked) | {ppl:.2f} " in card
     assert "python -m mlm_ddp.train --model_name_or_path" in card and "--max_train_steps 2" in card
     written = [p for p in out.rglob("*") if p.is_file() and b"hf_secret_never_written" in p.read_bytes()]
     assert written == []
