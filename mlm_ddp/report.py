@@ -230,7 +230,9 @@ def rate_text(rate: float) -> str:
 def eval_masking(run: Run) -> str:
     """The masking rate of the run's evaluations: as its records say it (a resume may change it: '30% -> 15%'),
     else its config's --eval_mlm_probability, else its --mlm_probability (a run of a version that
-    evaluated at the training rate); '-' when nothing says."""
+    evaluated at the training rate); '-' when nothing says or nothing was evaluated."""
+    if not any("eval_loss" in r for r in run.records):
+        return "-"
     rates = list(dict.fromkeys(r["eval_mlm_probability"] for r in run.records
                                if isinstance(r.get("eval_mlm_probability"), (int, float))))
     if not rates:
