@@ -4,6 +4,8 @@ both and hands model and optimizer to accelerate with the checks FSDP2 needs."""
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import warnings
 from typing import Any
 
@@ -94,9 +96,27 @@ def stable_adamw(groups: list[dict[str, Any]], training: TrainingConfig) -> torc
                            **impl[training.optimizer_impl])
 
 
+def for_this_batch(training: TrainingConfig, world_size: int) -> TrainingConfig:
+    """The training section with its learning rates scaled to this run's global batch (--lr_reference_batch:
+    by sqrt(batch / reference)); as it is without a reference or at the reference batch."""
+    reference = training.lr_reference_batch
+    batch = training.per_device_train_batch_size * world_size * training.gradient_accumulation_steps
+    if reference is None or batch == reference:
+        return training
+    factor = math.sqrt(batch / reference)
+    head = None if training.head_learning_rate is None else training.head_learning_rate * factor
+    logger.warning("the global batch is %d sequences (%d per device x %d processes x %d accumulation), the recipe's "
+                   "is %d: the learning rate is scaled by sqrt(%d / %d) = %.3f, to %.3g (--lr_reference_batch; give "
+                   "--learning_rate to use a rate as given)", batch, training.per_device_train_batch_size, world_size,
+                   training.gradient_accumulation_steps, reference, batch, reference, factor,
+                   training.learning_rate * factor, main_process_only=True)
+    return dataclasses.replace(training, learning_rate=training.learning_rate * factor, head_learning_rate=head)
+
+
 def prepare_for_training(accelerator: Any, transformers_model: PreTrainedModel, model_cfg: ModelConfig,
                          training: TrainingConfig, total_steps: int) -> tuple[Any, torch.optim.Optimizer, Any, int]:
     """The model in its loss wrapper, its optimizer and scheduler, prepared; and the parameter count."""
+    training = for_this_batch(training, accelerator.num_processes)
     model = wrap_model(transformers_model, model_cfg, training.torch_compile, accelerator.device)
     materialize_meta(model)  # before the optimizer takes the parameters
     optimizer = build_optimizer(model, training)

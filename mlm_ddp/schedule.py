@@ -31,10 +31,16 @@ def decay_steps(training: TrainingConfig, total_steps: int) -> int:
     return int(value) if value >= 1 or value == 0 else max(1, round(value * total_steps))
 
 
+def warmup_steps(training: TrainingConfig, total_steps: int) -> int:
+    """--num_warmup_steps in steps: a whole number as it is, a fraction below 1 of the run's total steps."""
+    value = training.num_warmup_steps
+    return int(value) if value >= 1 or value == 0 else round(value * total_steps)
+
+
 def build_scheduler(optimizer: torch.optim.Optimizer, training: TrainingConfig,
                     total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
     """transformers' schedule --lr_scheduler_type over `total_steps` optimizer steps, stepped once per step."""
-    name, warmup = training.lr_scheduler_type, training.num_warmup_steps
+    name, warmup = training.lr_scheduler_type, warmup_steps(training, total_steps)
     if name in MIN_LR:
         return get_scheduler(name, optimizer, num_warmup_steps=warmup, num_training_steps=total_steps,
                              scheduler_specific_kwargs={"min_lr_rate": training.min_lr_ratio})

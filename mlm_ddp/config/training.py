@@ -41,7 +41,9 @@ class TrainingConfig:
     lr_scheduler_type: str = _doc(
         f"Learning-rate schedule, counted in optimizer steps: {', '.join(SCHEDULERS)}.", default="linear"
     )
-    num_warmup_steps: int = _doc("Optimizer steps of linear warm-up.", default=10)
+    num_warmup_steps: float = _doc(
+        "Optimizer steps of linear warm-up, or a fraction below 1 of the run's steps (as transformers' "
+        "warmup_steps takes it; e.g. 0.06).", default=10)
     num_decay_steps: float | None = _doc(
         "warmup_stable_decay: optimizer steps of the decay that ends the run, or a fraction below 1 of the run's "
         "steps (0.1: the last 10%%); 0: no decay, the rate stays at its peak after the warm-up however long the "
@@ -62,6 +64,14 @@ class TrainingConfig:
         "Total optimizer steps; overrides --num_train_epochs. Required with --streaming.", default=None
     )
     gradient_accumulation_steps: int = _doc("Micro-batches per optimizer step.", default=1)
+    lr_reference_batch: int | None = _doc(
+        "The global batch (sequences per optimizer step) that --learning_rate was tuned for. When this run's "
+        "global batch B (per device x processes x accumulation) differs, the learning rates are multiplied by "
+        "sqrt(B / this), the square-root rule for Adam-type optimizers (Malladi et al. 2022), and the run says so. "
+        "The shipped recipes set it; a --learning_rate given as a flag beside a recipe unsets it (your rate is "
+        "used as given).",
+        default=None,
+    )
     mixed_precision: Literal["auto", "no", "fp16", "bf16"] = _doc(
         "Mixed precision, passed to Accelerator(...) explicitly. 'auto': what `accelerate launch` was given "
         "(--mixed_precision, its config file), else chosen for the device the run uses, native only: bf16 on "
@@ -104,6 +114,8 @@ class TrainingConfig:
     )
 
     def __post_init__(self) -> None:
+        if self.lr_reference_batch is not None and self.lr_reference_batch < 1:
+            raise BadInput(f"--lr_reference_batch must be at least 1 sequence, got {self.lr_reference_batch}")
         for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps"):
             if getattr(self, name) < 1:
                 raise BadInput(f"--{name} must be at least 1, got {getattr(self, name)}")
@@ -116,6 +128,8 @@ class TrainingConfig:
                 raise BadInput(f"--{name} must be positive, got {getattr(self, name)}")
         if self.weight_decay < 0 or self.max_grad_norm < 0 or self.num_warmup_steps < 0:
             raise BadInput("--weight_decay, --max_grad_norm and --num_warmup_steps must be >= 0")
+        if self.num_warmup_steps >= 1 and self.num_warmup_steps != int(self.num_warmup_steps):
+            raise BadInput(f"--num_warmup_steps must be whole steps or a fraction below 1, got {self.num_warmup_steps}")
         if self.optimizer == "stableadamw":
             check_stableadamw(self.weight_decay)
         if self.num_train_epochs <= 0:

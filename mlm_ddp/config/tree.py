@@ -20,6 +20,7 @@ from mlm_ddp.config.sections import DataConfig, ModelConfig
 from mlm_ddp.config.training import TrainingConfig
 from mlm_ddp.errors import BadInput
 
+RECIPES = Path(__file__).resolve().parents[1] / "recipes"  # the shipped recipes (docs/recipes.md)
 SECTIONS: dict[str, type] = {
     "model": ModelConfig,
     "data": DataConfig,
@@ -120,11 +121,19 @@ def _flatten_recipe(recipe: Any, source: str) -> dict[str, Any]:
     return flat
 
 
+def shipped_recipes() -> dict[str, Path]:
+    """The recipes inside the package (mlm_ddp/recipes/NAME.yaml), by name: `--config NAME`."""
+    return {p.stem: p for p in sorted(RECIPES.glob("*.yaml"))}
+
+
 def load_recipe(path: str | Path) -> dict[str, Any]:
-    """Read a YAML recipe into flat field values, with errors that name the file and key."""
+    """Read a YAML recipe (a file, or the name of a shipped one) into flat field values, with errors that
+    name the file and key. A file of that name wins over a shipped recipe."""
     path = Path(path)
+    if not path.is_file() and str(path) in shipped_recipes():
+        path = shipped_recipes()[str(path)]
     if not path.is_file():
-        raise BadInput(f"--config {path}: no such file")
+        raise BadInput(f"--config {path}: no such file, nor a shipped recipe ({', '.join(shipped_recipes())})")
     try:
         recipe = yaml.safe_load(path.read_text())
     except yaml.YAMLError as err:
@@ -140,7 +149,8 @@ def make_parser() -> HfArgumentParser:
     )
     parser.add_argument(
         "--config", default=None, metavar="RECIPE.yaml",
-        help="YAML recipe (nested by section or flat); flags given on the command line win.",
+        help="YAML recipe (nested by section or flat), or the name of a shipped one (dapt, tapt, modernbert: "
+             "docs/recipes.md); flags given on the command line win.",
     )
     return parser
 
@@ -168,9 +178,17 @@ def parse_args(argv: list[str] | None = None) -> Config:
     parser = make_parser()
     known, _ = parser.parse_known_args(argv)
     if known.config is not None:
-        parser.set_defaults(**load_recipe(known.config))
+        recipe = load_recipe(known.config)
+        if given(argv, "learning_rate") and not given(argv, "lr_reference_batch"):
+            recipe.pop("lr_reference_batch", None)  # the user's rate is for the user's batch
+        parser.set_defaults(**recipe)
     *parsed, rest = parser.parse_args_into_dataclasses(args=argv, return_remaining_strings=True)
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     # parsed = one dataclass per section, then a Namespace holding --config
     return Config(*parsed[: len(SECTIONS)])
+
+
+def given(argv: list[str], name: str) -> bool:
+    """Whether the flag --name is on the command line (`--name V` or `--name=V`)."""
+    return any(word == f"--{name}" or word.startswith(f"--{name}=") for word in argv)
