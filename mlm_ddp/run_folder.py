@@ -117,13 +117,17 @@ def resolve_resume(spec: str, output_dir: str | Path) -> Path:
 
 
 def config_changes(saved: dict, current: dict) -> dict[str, tuple[object, object]]:
-    """'section.key' -> (saved value, current value) for every setting that differs."""
+    """'section.key' -> (saved value, current value) for every setting that differs. A setting the saved
+    config lacks (written by an mlm_ddp without that flag) counts as the flag's default: the older run
+    behaved as the default does."""
+    defaults = Config().to_dict()
     changes = {}
     for section in sorted(set(saved) | set(current)):
         old, new = saved.get(section) or {}, current.get(section) or {}
         for key in sorted(set(old) | set(new)):
-            if old.get(key) != new.get(key):
-                changes[f"{section}.{key}"] = (old.get(key), new.get(key))
+            before = old[key] if key in old else defaults.get(section, {}).get(key)
+            if before != new.get(key):
+                changes[f"{section}.{key}"] = (before, new.get(key))
     return changes
 
 

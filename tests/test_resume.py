@@ -85,3 +85,19 @@ def test_a_resume_in_another_precision_says_so(tiny_model: Path, corpus: dict, t
     with caplog.at_level("WARNING"):
         train(parse_args([*args, "--max_train_steps", "2", "--resume_from_checkpoint", "latest"]))
     assert "the precision changed: the checkpoint trained in no, this run trains in bf16 (auto: " in caplog.text
+
+
+def test_a_checkpoint_from_before_a_new_flag_resumes() -> None:
+    """A saved config.yaml without a flag added since (here: the masking split, the optimizer, the schedule's
+    decay) compares as that flag's default; a value that differs from it is still a change."""
+    from mlm_ddp.config import Config
+    from mlm_ddp.run_folder import config_changes
+
+    current = Config().to_dict()
+    older = {section: dict(values) for section, values in current.items()}
+    for section, key in (("data", "mask_replace_prob"), ("data", "random_replace_prob"),
+                         ("training", "optimizer"), ("training", "num_decay_steps")):
+        del older[section][key]
+    assert config_changes(older, current) == {}
+    current["data"]["mask_replace_prob"] = 1.0
+    assert config_changes(older, current) == {"data.mask_replace_prob": (0.8, 1.0)}
