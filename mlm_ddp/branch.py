@@ -17,7 +17,7 @@ from pathlib import Path
 from mlm_ddp import checkpoint as ckpt
 from mlm_ddp.config import Config
 from mlm_ddp.errors import BadInput
-from mlm_ddp.schedule import WSD, at_peak
+from mlm_ddp.schedule import WSD, at_peak, warmup_steps
 
 # what a branch may set otherwise than its source: the decay, and the flag itself
 BRANCH_CHANGES = frozenset({"run.decay_from", "training.num_decay_steps", "training.decay_type",
@@ -48,6 +48,10 @@ def resolve(cfg: Config) -> None:
                        "--num_decay_steps above 0 (steps, or a fraction of the branch's steps)")
     step, fraction = source_step(Path(run.decay_from)), training.num_decay_steps
     decay = int(fraction) if fraction >= 1 else max(1, round(fraction * step / (1 - fraction)))
+    if (warmup := warmup_steps(training, step + decay)) > step:  # a fraction: of the branch's steps
+        raise BadInput(f"--decay_from {run.decay_from}: the warm-up (--num_warmup_steps {training.num_warmup_steps}: "
+                       f"{warmup} steps of the branch's {step + decay}) would not be over at its start, step {step}; "
+                       "give --num_warmup_steps in steps, as the source's run warmed up")
     training.num_decay_steps, training.max_train_steps = float(decay), step + decay
 
 

@@ -226,6 +226,7 @@ def test_the_main_run_goes_on_with_its_stable_phase(runs: dict) -> None:
     ("another learning rate", "was written with other settings .*training.learning_rate"),
     ("without warmup_stable_decay", "--decay_from decays a warmup_stable_decay run"),
     ("resuming another folder", "it continues this branch's own checkpoints"),
+    ("a warm-up past the start", "would not be over at its start, step 5"),
 ])
 def test_a_branch_that_cannot_be_is_refused_before_anything_is_written(runs: dict, tiny_model: Path, corpus: dict,
                                                                        case: str, message: str) -> None:
@@ -236,7 +237,8 @@ def test_a_branch_that_cannot_be_is_refused_before_anything_is_written(runs: dic
                                       *decay],
              "another learning rate": [*branch, "--learning_rate", "2e-3"],
              "without warmup_stable_decay": ["--decay_from", str(runs["source"])],
-             "resuming another folder": [*branch, "--resume_from_checkpoint", str(runs["source"])]}[case]
+             "resuming another folder": [*branch, "--resume_from_checkpoint", str(runs["source"])],
+             "a warm-up past the start": [*branch, "--num_warmup_steps", "0.9"]}[case]
     with pytest.raises(BadInput, match=message):
         train(parse_args(tiny_args(tiny_model, corpus, out, *QUICK, *extra)))
     assert not out.exists() and snapshot(runs["main"]) == runs["before"]
