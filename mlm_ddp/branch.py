@@ -91,6 +91,15 @@ def check_source(path: Path, saved: dict) -> None:
                        "warm-up or its decay; branch from a checkpoint of the stable phase")
 
 
+def closing(cfg: Config) -> str:
+    """What the closing line adds for a decay branch ('' for any other run)."""
+    if cfg.run.decay_from is None:
+        return ""
+    decay = int(cfg.training.num_decay_steps or 0)
+    return (f"; a decay branch of {cfg.run.decay_from} (from step {(cfg.training.max_train_steps or 0) - decay}, "
+            f"{cfg.training.decay_type} over {decay} steps)")
+
+
 def card_line(cfg: Config) -> str:
     """The model card's sentence on where a branch comes from ('' for any other run)."""
     if cfg.run.decay_from is None:

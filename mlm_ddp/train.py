@@ -419,7 +419,7 @@ def finish(run: Training, steps: int, started: float, probed_before: dict | None
         mfu=log.run_mfu(tokens_per_s), probe=probed,
     )
     folder.write_summary(accelerator.is_main_process, asdict(result))
-    logger.info("%s", summary_line(result))
+    logger.info("%s%s", summary_line(result), branch.closing(run.cfg))
     if run.cfg.run.report and accelerator.is_main_process:
         folder.write_report()
     log.end()

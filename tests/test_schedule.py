@@ -207,6 +207,8 @@ def test_a_stopped_branch_continues_its_own_checkpoints(runs: dict, tiny_model: 
         runs["run"]("linear-again", "--decay_from", str(runs["source"]), "--num_decay_steps", "0.375",
                     "--decay_type", "linear", "--checkpointing_steps", "7", "--resume_from_checkpoint", "auto")
     assert "resumed from" in caplog.text and "step-0000007 at step 7" in caplog.text
+    assert f"decay branch of {runs['source']}: from step {SOURCE}, a linear decay over {DECAY} steps" in caplog.text
+    assert f"; a decay branch of {runs['source']} (from step {SOURCE}, linear over {DECAY} steps)" in caplog.text
     assert train_losses(again) == pytest.approx({8: train_losses(linear)[8]}, rel=SAME_STEPS)
 
 
