@@ -89,16 +89,16 @@ def record(figures: dict[str, Any] | None, name: str, step: int) -> dict[str, An
             "probe_accuracy_std": figures["accuracy_std"], "probe_macro_f1_std": figures["macro_f1_std"]}
 
 
-def earlier_before(metrics: Path) -> dict[str, Any] | None:
-    """A resumed run's 'before': the figures its first attempt wrote to metrics.jsonl."""
+def earlier_before(origins: list[Path]) -> dict[str, Any] | None:
+    """A resumed run's 'before': the figures its first attempt (or a decay branch's source) wrote to
+    metrics.jsonl (`RunLog.origins`)."""
     from mlm_ddp.run_log import read_metrics_lines
 
-    if not metrics.exists():
-        return None
-    for _line, line in read_metrics_lines(metrics):
-        if line.get("probe") == "before":
-            return {key: line[f"probe_{key}"] for key in (*FIGURES, "majority_accuracy")} | {
-                "accuracy_std": line["probe_accuracy_std"], "macro_f1_std": line["probe_macro_f1_std"]}
+    for metrics in origins:
+        for _line, line in read_metrics_lines(metrics):
+            if line.get("probe") == "before":
+                return {key: line[f"probe_{key}"] for key in (*FIGURES, "majority_accuracy")} | {
+                    "accuracy_std": line["probe_accuracy_std"], "macro_f1_std": line["probe_macro_f1_std"]}
     return None
 
 
@@ -115,8 +115,10 @@ def summary(before: dict[str, Any] | None, after: dict[str, Any] | None,
 
 def line(probed: dict[str, Any] | None) -> str:
     """The closing line's part: '; probe accuracy 0.7012 -> 0.7240, macro-F1 0.6950 -> 0.7180'."""
-    if not probed or not probed.get("before") or not probed.get("after"):
+    if not probed or not probed.get("after"):
         return ""
+    if not probed.get("before"):
+        return f"; probe accuracy {probed['after']['accuracy']:.4f}, macro-F1 {probed['after']['macro_f1']:.4f}"
     before, after, best = probed["before"], probed["after"], probed.get("best")
     return (f"; probe accuracy {before['accuracy']:.4f} -> {after['accuracy']:.4f}, "
             f"macro-F1 {before['macro_f1']:.4f} -> {after['macro_f1']:.4f}"
@@ -150,7 +152,7 @@ def before_training(cfg: Config, accelerator: Accelerator, wait: MainProcessWait
     if not cfg.run.probing():
         return None
     if resumed:
-        return earlier_before(log.path)
+        return earlier_before(log.origins())
     beat(step, "probe")
     figures = score(cfg, accelerator, wait, source_folder(cfg), "before")
     log.write(record(figures, "before", 0), with_tokens=False)

@@ -21,7 +21,7 @@ from accelerate import Accelerator
 from accelerate.logging import get_logger
 from tqdm.auto import tqdm
 
-from mlm_ddp import speed
+from mlm_ddp import branch, speed
 from mlm_ddp.config import Config, RunConfig
 from mlm_ddp.durable import write_atomic
 from mlm_ddp.errors import BadInput
@@ -206,6 +206,7 @@ class RunLog:
         self.total_steps, self.tokens_before = total_steps, tokens_before
         out = Path(cfg.run.output_dir)
         self.path, self.enabled = out / METRICS_FILE, accelerator.is_main_process
+        self.source = branch.source_metrics(cfg)  # a decay branch's source run's metrics.jsonl
         if resumed:
             self._trim(start_step)
         if trackers:
@@ -299,15 +300,20 @@ class RunLog:
             self.accelerator.log({k: v for k, v in record.items() if k != "step" and not isinstance(v, str)},
                                  step=record["step"])
 
+    def origins(self) -> list[Path]:
+        """Where the records before training of the run this one resumes are: its own metrics.jsonl, then, for
+        a decay branch, its source run's."""
+        return [path for path in (self.path, self.source) if path is not None and path.exists()]
+
     def first_eval(self) -> dict[str, float] | None:
         """The evaluation before training of the run this one resumes (its step-0 line)."""
-        if not self.path.exists():
-            return None
-        for _line, record in read_metrics_lines(self.path):
-            if "eval_loss" in record:
-                return {"loss": record["eval_loss"], "perplexity": record["perplexity"],
-                        "accuracy": record["eval_accuracy"], **({"mlm_probability": record["eval_mlm_probability"]}
-                                                                if "eval_mlm_probability" in record else {})}
+        for path in self.origins():
+            for _line, record in read_metrics_lines(path):
+                if "eval_loss" in record:
+                    return {"loss": record["eval_loss"], "perplexity": record["perplexity"],
+                            "accuracy": record["eval_accuracy"],
+                            **({"mlm_probability": record["eval_mlm_probability"]}
+                               if "eval_mlm_probability" in record else {})}
         return None
 
     def close(self) -> None:

@@ -452,6 +452,9 @@ def summary_line(result: TrainResult) -> str:
         line += (f"; eval{masked_note(before, after)} loss {before['loss']:.4f} -> {after['loss']:.4f}, "
                  f"perplexity {before['perplexity']:.2f} -> {after['perplexity']:.2f}, "
                  f"accuracy {before['accuracy']:.3f} -> {after['accuracy']:.3f}")
+    elif after:  # no evaluation before training on record (e.g. --validation_split_percentage changed)
+        line += (f"; eval{masked_note(after)} loss {after['loss']:.4f}, perplexity {after['perplexity']:.2f}, "
+                 f"accuracy {after['accuracy']:.3f}")
     return line + probing.line(result.probe) + f"; model in {result.final_dir}"
 
 

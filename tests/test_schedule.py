@@ -193,6 +193,10 @@ def test_the_source_is_untouched_and_the_branch_records_it(runs: dict) -> None:
     assert "--decay_from" in card and "1-sqrt decay over its last 3 steps" in card
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == SOURCE + DECAY and summary["eval_after"]["loss"] > 0
+    # its evaluation before training is its source run's (the same run, continued)
+    source_before = json.loads((runs["straight"] / "summary.json").read_text())["eval_before"]
+    assert {k: summary["eval_before"][k] for k in ("loss", "perplexity", "accuracy", "mlm_probability")} == {
+        k: source_before[k] for k in ("loss", "perplexity", "accuracy", "mlm_probability")}
 
 
 def test_a_stopped_branch_continues_its_own_checkpoints(runs: dict, tiny_model: Path, corpus: dict,
