@@ -81,6 +81,7 @@ def test_flags_win_over_a_recipe_and_a_given_rate_is_not_scaled(tiny_model: Path
     assert own.training.learning_rate == 3e-5 and own.training.lr_reference_batch is None
     assert own.data.mlm_probability == 0.2
     assert parse_args([*args, "--learning_rate=3e-5", "--lr_reference_batch", "64"]).training.lr_reference_batch == 64
+    assert parse_args([*args, "--learning-rate", "3e-5"]).training.lr_reference_batch is None
     with pytest.raises(BadInput, match="shipped recipe"):
         parse_args(["--config", "no_such_recipe"])
 

@@ -190,5 +190,7 @@ def parse_args(argv: list[str] | None = None) -> Config:
 
 
 def given(argv: list[str], name: str) -> bool:
-    """Whether the flag --name is on the command line (`--name V` or `--name=V`)."""
-    return any(word == f"--{name}" or word.startswith(f"--{name}=") for word in argv)
+    """Whether the flag --name is on the command line (`--name V` or `--name=V`; HfArgumentParser also takes
+    the spelling with dashes)."""
+    spellings = {f"--{name}", f"--{name.replace('_', '-')}"}
+    return any(word.split("=", 1)[0] in spellings for word in argv)
