@@ -166,10 +166,15 @@ FIGURES: dict[str, tuple[Panel, ...]] = {
                        Panel("eval perplexity against tokens", "tokens_seen", ("perplexity",), "perplexity", True)),
     "schedule.png": (Panel("learning rate", "step", ("lr",), "learning rate"),
                      Panel("training throughput", "step", ("tokens_per_s",), "tokens/s (all processes)")),
+    # only where a run probed (--probe_train_file): before, at each evaluation (--probe_every_eval), after
+    "probe.png": (Panel("downstream probe accuracy against steps", "step", ("probe_accuracy",), "accuracy"),
+                  Panel("downstream probe macro-F1 against steps", "step", ("probe_macro_f1",), "macro-F1")),
 }
 STYLES = {"loss": dict(linestyle="-", label="train"), "eval_loss": dict(linestyle="--", marker="o", label="eval"),
           "perplexity": dict(linestyle="--", marker="o", label="eval"), "lr": dict(linestyle="-", label="lr"),
-          "tokens_per_s": dict(linestyle="-", marker=".", label="tokens/s")}
+          "tokens_per_s": dict(linestyle="-", marker=".", label="tokens/s"),
+          "probe_accuracy": dict(linestyle="--", marker="s", label="probe"),
+          "probe_macro_f1": dict(linestyle="--", marker="s", label="probe")}
 X_LABELS = {"step": "optimizer step", "tokens_seen": "tokens trained on"}
 
 
@@ -189,6 +194,8 @@ def plot(runs: Sequence[Run], labels: Sequence[str], folder: Path) -> list[Path]
     colors = [f"C{i % 10}" for i in range(len(runs))]
     written = []
     for filename, panels in FIGURES.items():
+        if not any(run.points(key, panel.x)[0] for run in runs for panel in panels for key in panel.keys):
+            continue  # e.g. probe.png of runs without a probe
         fig = Figure(figsize=(9, 3.4 + 0.25 * len(runs)), layout="constrained")
         for ax, panel in zip(fig.subplots(1, len(panels), squeeze=False)[0], panels, strict=True):
             for run, color in zip(runs, colors, strict=True):

@@ -66,7 +66,7 @@ def test_metrics_card_and_report_carry_both(probed_run: Path) -> None:
     card = (probed_run / "final" / "README.md").read_text()
     assert "## Downstream probe" in card and "| before |" in card and "| after |" in card and "| best (step " in card
     report = (probed_run / "report.html").read_text() if (probed_run / "report.html").exists() else ""
-    assert "downstream probe" in report.lower()
+    assert "downstream probe" in report.lower() and "probe.png" in report  # the curve over evaluations
 
 
 def test_the_closing_line_names_the_probe(tiny_model: Path, corpus: dict, probe_files: dict, tmp_path: Path,
