@@ -98,6 +98,19 @@ def follow_nccl_interface(backend: str) -> None:
         os.environ["GLOO_SOCKET_IFNAME"] = chosen
 
 
+def tear_down_after(ended: type[BaseException], accelerator: Any, wait: MainProcessWait,
+                    exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any) -> bool:
+    """An ExitStack exit callback: after a run that ended early on purpose (`ended`: preempted and saved, a
+    non-finite loss, ... on every rank alike), destroy the process groups, as `end_training` does after a
+    finished run. Left to the interpreter's exit, a gloo group's threads can abort the process (SIGABRT,
+    'terminate called without an active exception'), which loses the exit code: 75 would not be requeued.
+    Other errors (a lost peer) leave the groups alone. Never suppresses the exception."""
+    if exc_type is not None and issubclass(exc_type, ended):
+        wait.close()
+        accelerator.state.destroy_process_group()
+    return False
+
+
 class MainProcessWait:
     """The collectives in which the other processes wait while the main process alone works (the
     files of a checkpoint, final/, removing an earlier run, tokenizing): on a gloo group of their own

@@ -435,6 +435,8 @@ def train(cfg: Config, hooks: Hooks | None = None) -> TrainResult:
     started = time.perf_counter()
     with ckpt.StopSignals(cfg.run.signal_names()) as stop, ExitStack() as on_exit:
         run = build(cfg, preflight(cfg), hooks or Hooks())
+        # runs last: after the heartbeat stopped using the process group's store
+        on_exit.push(functools.partial(collectives.tear_down_after, RunEnded, run.accelerator, run.wait))
         on_exit.callback(run.log.close)  # however the run ends, so that an error message starts a line of its own
         on_exit.callback(run.heartbeat.stop)  # an error leaves the last beat where it happened
         probed_before = probing.before_training(cfg, run.accelerator, run.wait, run.log, run.heartbeat.beat,
