@@ -31,15 +31,22 @@ import sys
 import threading
 import time
 
-from mlm_ddp.heartbeat import ALIVE_EVERY_S, Beat
-from mlm_ddp.train import Hooks
-from mlm_ddp.train import main as train_main
-
 
 def pause(seconds: float) -> None:
     """time.sleep, but also under libfaketime with its monotonic clock left alone, where time.sleep fails
-    with EINVAL (libfaketime 0.9.10) and a timed wait does not."""
+    with EINVAL (libfaketime 0.9.10: its clock_nanosleep) and a timed wait does not."""
     threading.Event().wait(seconds)
+
+
+# Under libfaketime every time.sleep in the process fails, not only ours: datasets' file lock sleeps
+# while another rank holds the cache's lock, and failed as "--train_file could not be loaded" in CI.
+# A cluster node has no such preload, so only the rank the test wraps in faketime gets this.
+if "faketime" in os.environ.get("LD_PRELOAD", ""):
+    time.sleep = pause
+
+from mlm_ddp.heartbeat import ALIVE_EVERY_S, Beat  # noqa: E402 - after the patch, for modules that bind sleep
+from mlm_ddp.train import Hooks  # noqa: E402
+from mlm_ddp.train import main as train_main  # noqa: E402
 
 
 def freeze_at(where: str, beat: Beat) -> None:
@@ -107,7 +114,7 @@ def slow_shard_writes(where: str) -> None:
     write = FileSystemWriter.write_data
 
     def slow(self: FileSystemWriter, *args: object, **kwargs: object) -> object:
-        time.sleep(float(seconds))
+        pause(float(seconds))
         return write(self, *args, **kwargs)
 
     FileSystemWriter.write_data = slow
