@@ -400,12 +400,18 @@ class Checkpointer:
         holds anything else is refused, never executed."""
         import torch
 
+        from mlm_ddp.optim import implementation, restore_implementation
+
         for key, (old, new) in accepted_changes.items():
             logger.info("resuming with a changed setting: %s %r -> %r", key, old, new)
         self.beat(step, "checkpoint")  # a rollback's load: its collectives wait up to --save_timeout
         try:
+            optimizers = self.accelerator._optimizers
+            flags = [implementation(optimizer) for optimizer in optimizers]
             with self.patient():
                 self.accelerator.load_state(str(path))
+            for optimizer, own in zip(optimizers, flags, strict=True):  # this run's --optimizer_impl
+                restore_implementation(optimizer, own)
             # its step count only: this run's schedule (schedule.py) sets the rate from there
             continue_schedule(self.scheduler, json.loads((path / SCHEDULER_FILE).read_text()))
             # accelerate restores its micro-batch counter, which decides the micro-batch that all-reduces

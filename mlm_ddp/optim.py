@@ -96,6 +96,34 @@ def stable_adamw(groups: list[dict[str, Any]], training: TrainingConfig) -> torc
                            **impl[training.optimizer_impl])
 
 
+# where torch's AdamW and optimi keep --optimizer_impl: in each parameter group, which load_state_dict
+# replaces with the checkpoint's; a resume that changes --optimizer_impl (RESUMABLE_CHANGES) puts them back
+IMPLEMENTATION_KEYS = ("fused", "foreach", "capturable", "triton")
+
+
+def implementation(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """Each parameter group's implementation flags, to put back after a checkpoint's load."""
+    return [{key: group[key] for key in IMPLEMENTATION_KEYS if key in group} for group in optimizer.param_groups]
+
+
+def restore_implementation(optimizer: torch.optim.Optimizer, flags: list[dict[str, Any]]) -> None:
+    """This run's implementation flags (`implementation`) over the ones a checkpoint's load restored. AdamW's
+    step counts move to where this implementation creates them: a float32 tensor on the parameter's device
+    when fused (or capturable), else a CPU one, which the foreach and for-loop paths read without waiting for
+    the device."""
+    inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer wraps it
+    for group, own in zip(inner.param_groups, flags, strict=True):
+        group.update(own)
+        if not isinstance(inner, torch.optim.AdamW):
+            continue
+        device_steps = group.get("fused") or group.get("capturable")
+        for param in group["params"]:
+            step = inner.state.get(param, {}).get("step")
+            if torch.is_tensor(step):
+                inner.state[param]["step"] = step.to(dtype=torch.float32,
+                                                     device=param.device if device_steps else "cpu")
+
+
 def for_this_batch(training: TrainingConfig, world_size: int) -> TrainingConfig:
     """The training section with its learning rates scaled to this run's global batch (--lr_reference_batch:
     by sqrt(batch / reference)); as it is without a reference or at the reference batch."""

@@ -101,3 +101,31 @@ def test_a_checkpoint_from_before_a_new_flag_resumes() -> None:
     assert config_changes(older, current) == {}
     current["data"]["mask_replace_prob"] = 1.0
     assert config_changes(older, current) == {"data.mask_replace_prob": (0.8, 1.0)}
+
+
+def test_a_resume_runs_the_optimizer_implementation_it_is_given(tiny_model: Path, corpus: dict, tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """--optimizer_impl may change on resume (RESUMABLE_CHANGES), but torch's load_state_dict restores it
+    from the checkpoint's parameter groups: a checkpoint of fused AdamW resumed with for-loop ran fused. The
+    steps after the resume run this run's implementation, with their step counts where it keeps them."""
+    import torch
+    from accelerate.state import AcceleratorState, GradientState
+
+    out = tmp_path / "run"
+    args = tiny_args(tiny_model, corpus, out, "--checkpointing_steps", "1", "--max_eval_samples", "8")
+    train(parse_args([*args, "--max_train_steps", "1", "--optimizer_impl", "fused"]))
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    ran = []
+    step = torch.optim.AdamW.step
+
+    def recorded(self: torch.optim.AdamW, *a: object, **k: object) -> object:
+        group = self.param_groups[0]
+        counts = {self.state[p]["step"].device.type for p in group["params"] if "step" in self.state[p]}
+        ran.append((bool(group["fused"]), group["foreach"], counts))
+        return step(self, *a, **k)
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", recorded)
+    train(parse_args([*args, "--max_train_steps", "3", "--optimizer_impl", "for-loop", "--resume_from_checkpoint",
+                      "latest"]))
+    assert ran == [(False, False, {"cpu"})] * 2
