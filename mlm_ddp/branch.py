@@ -11,6 +11,7 @@ checkpoint is rotated away: N is then read from its name), and recorded in confi
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 
@@ -46,6 +47,8 @@ def resolve(cfg: Config) -> None:
     if training.lr_scheduler_type != WSD or not training.num_decay_steps:
         raise BadInput(f"--decay_from decays a warmup_stable_decay run: pass --lr_scheduler_type {WSD} and "
                        "--num_decay_steps above 0 (steps, or a fraction of the branch's steps)")
+    # recorded absolute: config.yaml, the card and a requeued job (another working directory) name one folder
+    run.decay_from = os.path.abspath(run.decay_from)
     step, fraction = source_step(Path(run.decay_from)), training.num_decay_steps
     decay = int(fraction) if fraction >= 1 else max(1, round(fraction * step / (1 - fraction)))
     if (warmup := warmup_steps(training, step + decay)) > step:  # a fraction: of the branch's steps

@@ -24,17 +24,19 @@ WSD = "warmup_stable_decay"
 MIN_LR = ("cosine_with_min_lr", "cosine_warmup_with_min_lr")  # transformers' cosines that take min_lr_rate
 
 
+def in_steps(value: float, total_steps: int, at_least: int = 0) -> int:
+    """A flag that counts steps: a whole number as it is, a fraction below 1 of the run's total steps."""
+    return int(value) if value >= 1 or value == 0 else max(at_least, round(value * total_steps))
+
+
 def decay_steps(training: TrainingConfig, total_steps: int) -> int:
-    """--num_decay_steps in steps: a whole number as it is, a fraction below 1 of the run's total steps
-    (at least one step)."""
-    value = training.num_decay_steps or 0.0
-    return int(value) if value >= 1 or value == 0 else max(1, round(value * total_steps))
+    """--num_decay_steps in steps (a fraction gives at least one step)."""
+    return in_steps(training.num_decay_steps or 0.0, total_steps, at_least=1)
 
 
 def warmup_steps(training: TrainingConfig, total_steps: int) -> int:
-    """--num_warmup_steps in steps: a whole number as it is, a fraction below 1 of the run's total steps."""
-    value = training.num_warmup_steps
-    return int(value) if value >= 1 or value == 0 else round(value * total_steps)
+    """--num_warmup_steps in steps."""
+    return in_steps(training.num_warmup_steps, total_steps)
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, training: TrainingConfig,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -154,8 +155,15 @@ def runs(tiny_model: Path, corpus: dict, tmp_path_factory: pytest.TempPathFactor
         # 0.375 of the branch's N + D steps: D = 0.375 x 5 / 0.625 = 3
         "linear": run("linear", "--decay_from", str(source), "--num_decay_steps", "0.375", "--decay_type", "linear",
                       "--checkpointing_steps", "7", "--resume_from_checkpoint", "auto"),
-        "cosine": run("cosine", "--decay_from", str(source), "--num_decay_steps", str(DECAY), "--min_lr_ratio", "0.1"),
     }
+    # given relative to the working directory, as users type it: recorded absolute
+    here = os.getcwd()
+    os.chdir(main)
+    try:
+        branches["cosine"] = run("cosine", "--decay_from", str(source.relative_to(main)), "--num_decay_steps",
+                                 str(DECAY), "--min_lr_ratio", "0.1")
+    finally:
+        os.chdir(here)
     return {"root": root, "straight": straight, "main": main, "source": source, "before": before,
             "after": snapshot(main), "branches": branches, "run": run}
 
@@ -188,6 +196,8 @@ def test_the_source_is_untouched_and_the_branch_records_it(runs: dict) -> None:
     assert written["run"]["decay_from"] == str(runs["source"])
     assert written["training"]["max_train_steps"] == SOURCE + DECAY and written["training"]["num_decay_steps"] == DECAY
     assert yaml.safe_load((runs["branches"]["linear"] / "config.yaml").read_text())["training"]["num_decay_steps"] == 3
+    assert yaml.safe_load((runs["branches"]["cosine"] / "config.yaml").read_text())["run"]["decay_from"] == str(
+        runs["source"])
     card = (out / "final" / "README.md").read_text()
     assert f"A decay branch: continued from the checkpoint `{runs['source']}` (step {SOURCE}" in card
     assert "--decay_from" in card and "1-sqrt decay over its last 3 steps" in card
