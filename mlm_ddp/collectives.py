@@ -5,8 +5,9 @@ a patient timeout, and the small collectives the loop uses; how a lost peer is w
 
 from __future__ import annotations
 
+import functools
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
@@ -171,7 +172,7 @@ class MainProcessWait:
 
 
 def start_accelerator(topo: Topology, fsdp_plugin: Any, training: Any, precision: tuple[str, str], ddp_timeout: int,
-                      trackers: list[str], project_dir: str) -> tuple[Any, tuple[str, str]]:
+                      rendezvous_timeout: int, trackers: list[str], project_dir: str) -> tuple[Any, tuple[str, str]]:
     """The Accelerator of this process (the process group forms here), with the training settings of
     the mlm_ddp config whatever the launcher, and the job's precision: rank 0's choice (`choose_precision`'s
     on each rank), agreed before the Accelerator is made (`agree_precision`). Returns both."""
@@ -184,7 +185,8 @@ def start_accelerator(topo: Topology, fsdp_plugin: Any, training: Any, precision
     if topo.distributed:
         # the process group first, as the Accelerator below would form it (it takes this one over): its
         # store carries every rank's precision before the Accelerator fixes one
-        PartialState(cpu=not topo.cuda_devices, timeout=timedelta(seconds=ddp_timeout))
+        join_process_group(topo, functools.partial(PartialState, cpu=not topo.cuda_devices), rendezvous_timeout,
+                           ddp_timeout)
         precision = agree_precision(precision, topo)
     if fsdp_plugin is not None and fsdp_plugin.fsdp_version == 2:
         fsdp_plugin.mixed_precision_policy = fsdp2_policy(precision[0])  # accelerate keeps a policy it is given
@@ -204,6 +206,36 @@ def start_accelerator(topo: Topology, fsdp_plugin: Any, training: Any, precision
                     "DDP on a CPU; mlm_ddp keeps its FSDP2 plugin (gloo)")
     check_accelerator(topo, accelerator.num_processes, str(accelerator.distributed_type))
     return accelerator, precision
+
+
+# store keys of the start-up barrier (the default group's store: per attempt under torchrun's agent)
+ARRIVED, ALL_ARRIVED = "mlm_ddp/arrived", "mlm_ddp/all_arrived"
+
+
+def join_process_group(topo: Topology, partial_state: Callable[..., Any], rendezvous_timeout: int,
+                       ddp_timeout: int) -> None:
+    """Form the process group (accelerate's `partial_state`) and return once every process has joined it,
+    waiting up to --rendezvous_timeout; then set its collectives and its store to --ddp_timeout. Each
+    process loads and checks its inputs before it joins (preflight), and a node that imports from a slow
+    shared filesystem or converts a large raw corpus to Arrow arrives minutes after the others: with
+    --ddp_timeout (120 s) the first ones gave up and the job died as if a process had. NCCL forms its
+    communicator at the first collective and torchrun's agent store waits for no worker, so a count in the
+    store is the barrier every backend and launcher shares."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    patient = timedelta(seconds=rendezvous_timeout)
+    try:
+        partial_state(timeout=patient)
+        store = distributed_c10d._get_default_store()
+        if store.add(ARRIVED, 1) == topo.world_size:
+            store.set(ALL_ARRIVED, "1")
+        store.wait([ALL_ARRIVED], patient)
+    except dist.DistError as err:
+        raise dist.DistError(f"not every process joined within --rendezvous_timeout ({rendezvous_timeout} s): "
+                             f"{type(err).__name__}: {str(err).strip()[:200]}") from err
+    store.set_timeout(timedelta(seconds=ddp_timeout))
+    distributed_c10d._set_pg_timeout(timedelta(seconds=ddp_timeout))
 
 
 def sharded(accelerator: Any) -> bool:
@@ -272,6 +304,6 @@ def lost_contact(topo: Topology, err: Exception) -> str:
     others = [r for r in range(topo.world_size) if r != topo.rank]
     who = f"rank {others[0]}" if len(others) == 1 else f"one of ranks {', '.join(map(str, others))}"
     return (f"rank {topo.rank} lost contact with the other process(es) ({who}): a process died, was killed, "
-            f"or hung for longer than --ddp_timeout; the launcher's report or that process's log says which "
-            f"and why. Cause: {type(err).__name__}: {str(err).strip()[:300]}")
+            "or hung for longer than --ddp_timeout (--rendezvous_timeout while starting); the launcher's report "
+            f"or that process's log says which and why. Cause: {type(err).__name__}: {str(err).strip()[:300]}")
 

@@ -177,7 +177,8 @@ class Training:
 def build(cfg: Config, checked: Checked, hooks: Hooks) -> Training:
     start, path = checked.start, checked.folder.path
     accelerator, checked.precision = collectives.start_accelerator(
-        checked.topo, checked.fsdp_plugin, cfg.training, checked.precision, cfg.run.ddp_timeout, checked.trackers,
+        checked.topo, checked.fsdp_plugin, cfg.training, checked.precision, cfg.run.ddp_timeout,
+        cfg.run.rendezvous_timeout, checked.trackers,
         project_dir=str(path / "logs"))  # TensorBoard writes into logs/<TRACKING_PROJECT>/
     wait = collectives.MainProcessWait(accelerator.num_processes, cfg.run.save_timeout)
     agree_on_resume(start.resume_from, wait)

@@ -107,6 +107,32 @@ def faketime() -> str:
     return shutil.which("faketime")
 
 
+def test_a_rank_that_joins_later_than_ddp_timeout_is_waited_for(tiny_model: Path, corpus: dict,
+                                                                 tmp_path: Path) -> None:
+    """Rank 1 starts 12 s after rank 0, against a 5 s --ddp_timeout (a node that imports from a slow shared
+    filesystem or converts a large raw corpus to Arrow before it joins): the run trains, since the start
+    waits --rendezvous_timeout; a rank that never comes is named with that flag once it has passed."""
+    out = tmp_path / "run"
+    args = tiny_args(tiny_model, corpus, out, "--max_train_steps", "2", "--max_eval_samples", "16", "--ddp_timeout",
+                     "5", "--save_timeout", "5", "--cpu_threads", "1", "--report", "false")
+    port = free_port()
+    first = start_rank(0, port, out, args)
+    time.sleep(12)
+    ranks = [first, start_rank(1, port, out, args)]
+    codes = [proc.wait(timeout=300) for proc in ranks]
+    logs = [(out.parent / f"rank{rank}.log").read_text() for rank in (0, 1)]
+    assert codes == [0, 0], "\n".join(log[-2000:] for log in logs)
+    assert json.loads((out / "summary.json").read_text())["steps"] == 2
+
+    alone = tmp_path / "alone" / "run"
+    alone.parent.mkdir()
+    lonely = start_rank(0, free_port(), alone, [*tiny_args(tiny_model, corpus, alone, "--ddp_timeout", "5",
+                                                           "--rendezvous_timeout", "3")])
+    assert lonely.wait(timeout=120) == 1
+    said = (alone.parent / "rank0.log").read_text()
+    assert "not every process joined within --rendezvous_timeout (3 s)" in said, said[-2000:]
+
+
 def test_the_rank_under_faketime_can_sleep_as_libraries_do(faketime: str) -> None:
     """libfaketime 0.9.10 with its monotonic clock left alone fails every time.sleep (EINVAL). The run
     below hit it by chance in CI: datasets' file lock sleeps when the other rank holds the cache's lock.

@@ -64,6 +64,12 @@ class RunConfig:
         "dies, the others stop within this time instead of hanging.",
         default=120,
     )
+    rendezvous_timeout: int = _doc(
+        "Seconds the processes wait for each other when they start: the first to join the process group "
+        "waits this long for the last (a node that starts late, imports from a slow shared filesystem, or "
+        "converts a large raw corpus to Arrow before it joins); --ddp_timeout applies from then on.",
+        default=1800,
+    )
     preprocessing_timeout: int = _doc(
         "Seconds the other processes wait for the main process to tokenize a map-style data set "
         "into the datasets cache (a large corpus takes longer than --ddp_timeout).",
@@ -162,7 +168,7 @@ class RunConfig:
                 raise BadInput(f"--stop_signals: {name!r} is not a signal that can be caught; "
                                   "use names like SIGTERM,SIGUSR1")
         timeouts = {"--ddp_timeout": self.ddp_timeout, "--preprocessing_timeout": self.preprocessing_timeout,
-                    "--save_timeout": self.save_timeout}
+                    "--save_timeout": self.save_timeout, "--rendezvous_timeout": self.rendezvous_timeout}
         for flag, value in timeouts.items():
             if value < 1:
                 raise BadInput(f"{flag} must be at least 1 second, got {value}")
