@@ -410,6 +410,9 @@ class Checkpointer:
             flags = [implementation(optimizer) for optimizer in optimizers]
             with self.patient():
                 self.accelerator.load_state(str(path))
+                # every rank waits here for the slowest load (a whole DDP checkpoint from a busy network
+                # filesystem), under --save_timeout: the first collective after it waits only --ddp_timeout
+                self.accelerator.wait_for_everyone()
             for optimizer, own in zip(optimizers, flags, strict=True):  # this run's --optimizer_impl
                 restore_implementation(optimizer, own)
             # its step count only: this run's schedule (schedule.py) sets the rate from there

@@ -15,6 +15,8 @@ production code's environment:
   validation split: a long phase without a collective).
 - `--slow_final_s RANK:S`: rank RANK sleeps S seconds in its final phase, after final/ is saved (a slow
   report or tracker upload), while the other ranks have finished.
+- `--slow_load RANK:S`: rank RANK sleeps S seconds before it loads a checkpoint (a resume that reads a
+  whole DDP checkpoint from a busy network filesystem), while the other ranks have loaded theirs.
 - `--spike STEP:FACTOR`: the first micro-batch of step STEP has its loss multiplied by FACTOR on every
   rank, once (a replay of that step after a rollback is not spiked again).
 
@@ -120,6 +122,21 @@ def slow_shard_writes(where: str) -> None:
     FileSystemWriter.write_data = slow
 
 
+def slow_loads(where: str) -> None:
+    rank, seconds = where.split(":")
+    if os.environ.get("RANK") != rank:
+        return
+    from accelerate import Accelerator
+
+    load_state = Accelerator.load_state
+
+    def slow(self: Accelerator, *args: object, **kwargs: object) -> object:
+        pause(float(seconds))
+        return load_state(self, *args, **kwargs)
+
+    Accelerator.load_state = slow
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tests.fault_driver", allow_abbrev=False)
     parser.add_argument("--slow_save_s", type=float)
@@ -129,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stick", metavar="RANK:STEP:PHASE")
     parser.add_argument("--slow_eval_s", type=float)
     parser.add_argument("--slow_final_s", metavar="RANK:S")
+    parser.add_argument("--slow_load", metavar="RANK:S")
     faults, train_argv = parser.parse_known_args(argv)
     if faults.slow_shard_write is not None:
         slow_shard_writes(faults.slow_shard_write)
@@ -136,6 +154,8 @@ def main(argv: list[str] | None = None) -> int:
         slow_evaluations(faults.slow_eval_s)
     if faults.slow_final_s is not None:
         slow_final_phase(faults.slow_final_s)
+    if faults.slow_load is not None:
+        slow_loads(faults.slow_load)
     slow = None if faults.slow_save_s is None else functools.partial(time.sleep, faults.slow_save_s)
     freeze = None if faults.freeze is None else functools.partial(freeze_at, faults.freeze)
     if faults.stick is not None:

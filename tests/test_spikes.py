@@ -72,9 +72,13 @@ def test_skip_drops_the_spiked_update_and_keeps_the_step_count(
 
 def test_rollback_reloads_the_checkpoint_skips_the_spike_and_replays_to_the_same_end(
         no_spike: Path, harm: float, tiny_model: Path, corpus: dict, tmp_path: Path) -> None:
+    """Rank 1 also takes 12 s longer than rank 0 to load the checkpoint, against a 6 s --ddp_timeout (a whole DDP
+    checkpoint read from a busy network filesystem): rank 0 waits for it (--save_timeout), not for its next
+    collective's --ddp_timeout."""
     out = tmp_path / "rollback"
-    log = launch(2, ["--spike", f"{SPIKE}:{FACTOR}", *tiny_args(tiny_model, corpus, out, *COMMON, "--on_loss_spike",
-                                                               "rollback", "--per_device_train_batch_size", "4")],
+    log = launch(2, ["--spike", f"{SPIKE}:{FACTOR}", "--slow_load", "1:12",
+                     *tiny_args(tiny_model, corpus, out, *COMMON, "--on_loss_spike", "rollback",
+                                "--per_device_train_batch_size", "4", "--ddp_timeout", "6")],
                  module="tests.fault_driver")
     assert f"step {SPIKE}: loss " in log and f"rolled back to step-{SAVED:07d}" in log, log[-3000:]
     assert log.count("skipped the micro-batches that caused a loss spike (epoch 0, micro-batch ") == 1
