@@ -215,16 +215,18 @@ ARRIVED, ALL_ARRIVED = "mlm_ddp/arrived", "mlm_ddp/all_arrived"
 def join_process_group(topo: Topology, partial_state: Callable[..., Any], rendezvous_timeout: int,
                        ddp_timeout: int) -> None:
     """Form the process group (accelerate's `partial_state`) and return once every process has joined it,
-    waiting up to --rendezvous_timeout; then set its collectives and its store to --ddp_timeout. Each
-    process loads and checks its inputs before it joins (preflight), and a node that imports from a slow
-    shared filesystem or converts a large raw corpus to Arrow arrives minutes after the others: with
-    --ddp_timeout (120 s) the first ones gave up and the job died as if a process had. NCCL forms its
-    communicator at the first collective and torchrun's agent store waits for no worker, so a count in the
-    store is the barrier every backend and launcher shares."""
+    waiting up to --rendezvous_timeout (or --ddp_timeout where longer); then set its collectives and its
+    store to --ddp_timeout. Each process loads and checks its inputs before it joins (preflight), and a
+    node that imports from a slow shared filesystem or converts a large raw corpus to Arrow arrives minutes
+    after the others: with --ddp_timeout (120 s) the first ones gave up and the job died as if a process
+    had. NCCL forms its communicator at the first collective and torchrun's agent store waits for no
+    worker, so a count in the store is the barrier every backend and launcher shares."""
     import torch.distributed as dist
     from torch.distributed import distributed_c10d
 
-    patient = timedelta(seconds=rendezvous_timeout)
+    # never shorter than before this flag existed: a user who raised --ddp_timeout for a slow start keeps it
+    waited = max(rendezvous_timeout, ddp_timeout)
+    patient = timedelta(seconds=waited)
     try:
         partial_state(timeout=patient)
         store = distributed_c10d._get_default_store()
@@ -232,8 +234,8 @@ def join_process_group(topo: Topology, partial_state: Callable[..., Any], rendez
             store.set(ALL_ARRIVED, "1")
         store.wait([ALL_ARRIVED], patient)
     except dist.DistError as err:
-        raise dist.DistError(f"not every process joined within --rendezvous_timeout ({rendezvous_timeout} s): "
-                             f"{type(err).__name__}: {str(err).strip()[:200]}") from err
+        raise dist.DistError(f"not every process joined within {waited} s (--rendezvous_timeout, or --ddp_timeout "
+                             f"where longer): {type(err).__name__}: {str(err).strip()[:200]}") from err
     store.set_timeout(timedelta(seconds=ddp_timeout))
     distributed_c10d._set_pg_timeout(timedelta(seconds=ddp_timeout))
 

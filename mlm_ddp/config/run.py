@@ -67,8 +67,9 @@ class RunConfig:
     rendezvous_timeout: int = _doc(
         "Seconds the processes wait for each other when they start: the first to join the process group "
         "waits this long for the last (a node that starts late, imports from a slow shared filesystem, or "
-        "converts a large raw corpus to Arrow before it joins); --ddp_timeout applies from then on. Also how "
-        "long the others wait when one fails before it joins and the launcher does not stop them.",
+        "converts a large raw corpus to Arrow before it joins; --ddp_timeout where that is longer); "
+        "--ddp_timeout applies from then on. Also how long the others wait when one fails before it "
+        "joins and the launcher does not stop them.",
         default=900,
     )
     preprocessing_timeout: int = _doc(
