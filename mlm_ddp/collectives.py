@@ -5,9 +5,8 @@ a patient timeout, and the small collectives the loop uses; how a lost peer is w
 
 from __future__ import annotations
 
-import functools
 import os
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
@@ -176,7 +175,7 @@ def start_accelerator(topo: Topology, fsdp_plugin: Any, training: Any, precision
     """The Accelerator of this process (the process group forms here), with the training settings of
     the mlm_ddp config whatever the launcher, and the job's precision: rank 0's choice (`choose_precision`'s
     on each rank), agreed before the Accelerator is made (`agree_precision`). Returns both."""
-    from accelerate import Accelerator, PartialState
+    from accelerate import Accelerator
     from accelerate.logging import get_logger
     from accelerate.utils import GradientAccumulationPlugin, InitProcessGroupKwargs
 
@@ -185,8 +184,7 @@ def start_accelerator(topo: Topology, fsdp_plugin: Any, training: Any, precision
     if topo.distributed:
         # the process group first, as the Accelerator below would form it (it takes this one over): its
         # store carries every rank's precision before the Accelerator fixes one
-        join_process_group(topo, functools.partial(PartialState, cpu=not topo.cuda_devices), rendezvous_timeout,
-                           ddp_timeout)
+        join_process_group(topo, rendezvous_timeout, ddp_timeout)
         precision = agree_precision(precision, topo)
     if fsdp_plugin is not None and fsdp_plugin.fsdp_version == 2:
         fsdp_plugin.mixed_precision_policy = fsdp2_policy(precision[0])  # accelerate keeps a policy it is given
@@ -212,23 +210,23 @@ def start_accelerator(topo: Topology, fsdp_plugin: Any, training: Any, precision
 ARRIVED, ALL_ARRIVED = "mlm_ddp/arrived", "mlm_ddp/all_arrived"
 
 
-def join_process_group(topo: Topology, partial_state: Callable[..., Any], rendezvous_timeout: int,
-                       ddp_timeout: int) -> None:
-    """Form the process group (accelerate's `partial_state`) and return once every process has joined it,
-    waiting up to --rendezvous_timeout (or --ddp_timeout where longer); then set its collectives and its
-    store to --ddp_timeout. Each process loads and checks its inputs before it joins (preflight), and a
-    node that imports from a slow shared filesystem or converts a large raw corpus to Arrow arrives minutes
-    after the others: with --ddp_timeout (120 s) the first ones gave up and the job died as if a process
-    had. NCCL forms its communicator at the first collective and torchrun's agent store waits for no
-    worker, so a count in the store is the barrier every backend and launcher shares."""
+def join_process_group(topo: Topology, rendezvous_timeout: int, ddp_timeout: int) -> None:
+    """Form the process group (accelerate's PartialState, which the Accelerator takes over) and return once
+    every process has joined it, waiting up to --rendezvous_timeout (or --ddp_timeout where longer); then
+    set its collectives and its store to --ddp_timeout. Each process loads and checks its inputs before it
+    joins (preflight), and a node that imports from a slow shared filesystem or converts a large raw corpus
+    to Arrow arrives minutes after the others: with --ddp_timeout (120 s) the first ones gave up and the
+    job died as if a process had. NCCL forms its communicator at the first collective and torchrun's agent
+    store waits for no worker, so a count in the store is the barrier every backend and launcher shares."""
     import torch.distributed as dist
+    from accelerate import PartialState
     from torch.distributed import distributed_c10d
 
     # never shorter than before this flag existed: a user who raised --ddp_timeout for a slow start keeps it
     waited = max(rendezvous_timeout, ddp_timeout)
     patient = timedelta(seconds=waited)
     try:
-        partial_state(timeout=patient)
+        PartialState(cpu=not topo.cuda_devices, timeout=patient)
         store = distributed_c10d._get_default_store()
         if store.add(ARRIVED, 1) == topo.world_size:
             store.set(ALL_ARRIVED, "1")
