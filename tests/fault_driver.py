@@ -78,19 +78,20 @@ def slow_evaluations(seconds: float) -> None:
     evaluation.evaluate_mlm = slow
 
 
-def slow_final_phase(where: str) -> None:
+def delay_on_rank(where: str, owner: object, name: str) -> None:
+    """`where` RANK:S: on rank RANK, `owner.name` (a function, or a method of the class `owner`) sleeps S
+    seconds before it runs; the other ranks keep it as it is."""
     rank, seconds = where.split(":")
     if os.environ.get("RANK") != rank:
         return
-    from mlm_ddp.run_folder import RunFolder
+    original = getattr(owner, name)
 
-    write_summary = RunFolder.write_summary
-
-    def slow(self: RunFolder, *args: object, **kwargs: object) -> None:
+    @functools.wraps(original)
+    def slow(*args: object, **kwargs: object) -> object:
         pause(float(seconds))
-        write_summary(self, *args, **kwargs)
+        return original(*args, **kwargs)
 
-    RunFolder.write_summary = slow
+    setattr(owner, name, slow)
 
 
 class OneSpike:
@@ -107,36 +108,6 @@ class OneSpike:
         return self.factor
 
 
-def slow_shard_writes(where: str) -> None:
-    rank, seconds = where.split(":")
-    if os.environ.get("RANK") != rank:
-        return
-    from torch.distributed.checkpoint import FileSystemWriter
-
-    write = FileSystemWriter.write_data
-
-    def slow(self: FileSystemWriter, *args: object, **kwargs: object) -> object:
-        pause(float(seconds))
-        return write(self, *args, **kwargs)
-
-    FileSystemWriter.write_data = slow
-
-
-def slow_loads(where: str) -> None:
-    rank, seconds = where.split(":")
-    if os.environ.get("RANK") != rank:
-        return
-    from accelerate import Accelerator
-
-    load_state = Accelerator.load_state
-
-    def slow(self: Accelerator, *args: object, **kwargs: object) -> object:
-        pause(float(seconds))
-        return load_state(self, *args, **kwargs)
-
-    Accelerator.load_state = slow
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tests.fault_driver", allow_abbrev=False)
     parser.add_argument("--slow_save_s", type=float)
@@ -149,13 +120,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--slow_load", metavar="RANK:S")
     faults, train_argv = parser.parse_known_args(argv)
     if faults.slow_shard_write is not None:
-        slow_shard_writes(faults.slow_shard_write)
+        from torch.distributed.checkpoint import FileSystemWriter
+
+        delay_on_rank(faults.slow_shard_write, FileSystemWriter, "write_data")
     if faults.slow_eval_s is not None:
         slow_evaluations(faults.slow_eval_s)
-    if faults.slow_final_s is not None:
-        slow_final_phase(faults.slow_final_s)
+    if faults.slow_final_s is not None:  # after final/ is saved, while the other ranks have finished
+        from mlm_ddp.run_folder import RunFolder
+
+        delay_on_rank(faults.slow_final_s, RunFolder, "write_summary")
     if faults.slow_load is not None:
-        slow_loads(faults.slow_load)
+        from accelerate import Accelerator
+
+        delay_on_rank(faults.slow_load, Accelerator, "load_state")
     slow = None if faults.slow_save_s is None else functools.partial(time.sleep, faults.slow_save_s)
     freeze = None if faults.freeze is None else functools.partial(freeze_at, faults.freeze)
     if faults.stick is not None:
