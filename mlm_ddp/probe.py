@@ -2,21 +2,26 @@
 
 What it measures: how well a model's features serve a labeled task, before and after MLM training.
 
-linear (the default), as MTEB's classification tasks: each text becomes the model's pooled last hidden
-states (its own sentence-transformers pooling where the checkpoint has one, else the mean over its
-tokens), computed once; then for each seed the training set is undersampled to at most
---max_train_per_label texts per label, standardised, and a logistic regression is fit and scored on
-the whole test set. finetune: a fresh sequence classifier fine-tuned from the model on the same
-subsamples. Every model gets the same splits, seeds and subsamples, so their figures compare, seed by
-seed. A table, then one JSON line: model -> its figures.
+linear (the default): each text becomes the model's pooled last hidden states (its own
+sentence-transformers pooling where the checkpoint has one, else the mean over its tokens), computed
+once; a logistic regression on every labeled training text (or, with --max_train_per_label, a seeded
+subsample of at most that many per label for each seed), standardised, is fit and scored on the whole
+test set. --protocol mteb is MTEB's classification protocol exactly: 8 texts per label, 10 experiments,
+a plain LogisticRegression(max_iter=100) on the raw features. finetune: a fresh sequence classifier
+fine-tuned from the model on the same subsamples. Every model gets the same splits, seeds and
+subsamples, so their figures compare, seed by seed; each figure records the settings that made it
+(`settings`), and two figures compare only where those are equal. A table, then one JSON line: model ->
+its figures.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import statistics
 import sys
 import tempfile
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -42,13 +47,18 @@ from mlm_ddp.probe_features import (
 PROG = "mlm_ddp.probe"
 MAX_LABELS = 1000  # more distinct labels than this (or than half the rows) is a text column, not classes
 LOGREG_MAX_ITER = 1000  # MTEB's 100 can stop lbfgs short of the optimum on 384-768 features; 1000 converges
+MTEB = {"max_train_per_label": 8, "seeds": 10}  # MTEB's samples_per_label and n_experiments
+MTEB_MAX_ITER = 100  # MTEB's LogisticRegression(max_iter=100), no scaler
+FINETUNE_SEEDS = 3  # finetune's default seeds: each is a whole fine-tune
 SHOWN = 5  # unseen labels named in the message
 
 
 @dataclass
 class ProbeConfig:
-    """The labeled task and how to probe with it. Defaults: MTEB's classification protocol (linear) and
-    BERT's GLUE recipe (finetune, Devlin et al. 2019, section 4.1 and appendix A.3)."""
+    """The labeled task and how to probe with it. Defaults: every labeled training text, a logistic regression
+    run to convergence on standardised features (linear; --protocol mteb: MTEB's protocol exactly) and
+    BERT's GLUE recipe (finetune, Devlin et al. 2019, section 4.1 and appendix A.3). After __post_init__,
+    max_train_per_label and seeds hold the values used."""
 
     train_file: str | None = _doc("Labeled training texts: a csv, json, jsonl or parquet file.", default=None)
     test_file: str | None = _doc("Labeled test texts, scored whole: a csv, json, jsonl or parquet file.",
@@ -60,11 +70,18 @@ class ProbeConfig:
     test_split: str = _doc("--dataset_name's split to score.", default="test")
     text_column: str = _doc("Column holding the texts.", default="text")
     label_column: str = _doc("Column holding the class labels (strings or integers).", default="label")
-    max_train_per_label: int = _doc(
-        "Training texts per label in each seed's subsample, drawn at random (MTEB's samples_per_label: 8); 0: "
-        "the whole training set. With finetune, 8 per label is a few optimizer steps: raise it.", default=8)
-    seeds: int = _doc("Seeds 0..N-1: subsamples (and fine-tunes) whose scores are averaged (MTEB's n_experiments: "
-                      "10).", default=10)
+    protocol: Literal["default", "mteb"] = _doc(
+        "default: every labeled training text (or --max_train_per_label), standardised features, a logistic "
+        "regression run to convergence (max_iter 1000). mteb: MTEB's classification protocol exactly (linear "
+        "only): 8 texts per label, 10 experiments, a plain LogisticRegression(max_iter=100) on the raw features.",
+        default="default")
+    max_train_per_label: int | None = _doc(
+        "A cap: at most this many training texts per label in each seed's subsample, drawn at random. Default: "
+        "every labeled text (0 says the same); --protocol mteb: 8.", default=None)
+    seeds: int | None = _doc(
+        "Seeds 0..N-1: subsamples (and fine-tunes) whose scores are averaged. Default: 10 (MTEB's n_experiments), "
+        "finetune 3. linear on every text fits once: each seed would fit the same rows to the same optimum.",
+        default=None)
     mode: Literal["linear", "finetune"] = _doc(
         "linear: frozen features + logistic regression; finetune: train a sequence classifier.", default="linear")
     pooling: Literal["auto", "mean", "cls", "max"] = _doc(
@@ -78,6 +95,17 @@ class ProbeConfig:
     epochs: int = _doc("finetune's epochs over each subsample (BERT's GLUE recipe: 3).", default=3)
 
     def __post_init__(self) -> None:
+        if self.protocol == "mteb":
+            given = [f"--{k} {getattr(self, k)}" for k, v in MTEB.items() if getattr(self, k) not in (None, v)]
+            if self.mode != "linear" or given:
+                raise BadInput("--protocol mteb is MTEB's classification protocol exactly (linear, 8 texts per label, "
+                               f"10 seeds): drop {', '.join(given) or '--mode ' + self.mode}, or use --protocol "
+                               "default")
+            self.max_train_per_label, self.seeds = MTEB["max_train_per_label"], MTEB["seeds"]
+        if self.max_train_per_label is None:
+            self.max_train_per_label = 0
+        if self.seeds is None:
+            self.seeds = FINETUNE_SEEDS if self.mode == "finetune" else MTEB["seeds"]
         for name in ("seeds", "batch_size", "epochs"):
             if getattr(self, name) < 1:
                 raise BadInput(f"--{name} must be at least 1, got {getattr(self, name)}")
@@ -191,6 +219,37 @@ def check_probe_data(cfg: ProbeConfig) -> None:
     load_probe_data(cfg)
 
 
+def file_hash(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return "sha256:" + digest.hexdigest()
+
+
+def settings(cfg: ProbeConfig) -> dict[str, Any]:
+    """What made a figure: two figures compare only where these are equal. The files by their contents' hash;
+    a dataset by its name, configuration and split."""
+    keys = ["mode", "protocol", "max_train_per_label", "seeds", "text_column", "label_column", "pooling",
+            "max_seq_length"] + (["learning_rate", "epochs", "batch_size"] if cfg.mode == "finetune" else [])
+    out: dict[str, Any] = {key: getattr(cfg, key) for key in keys}
+    for split in ("train", "test"):
+        if cfg.dataset_name is not None:
+            name = cfg.train_split if split == "train" else cfg.test_split
+            out[split] = f"dataset {cfg.dataset_name} {cfg.dataset_config_name or ''} {name}".replace("  ", " ")
+        else:
+            path = cfg.train_file if split == "train" else cfg.test_file
+            out[split] = file_hash(path) if path is not None else None
+    return out
+
+
+def differences(earlier: dict[str, Any] | None, now: dict[str, Any]) -> str:
+    """'max_train_per_label 8 -> 0, test sha256:ab.. -> sha256:cd..' ('' where the settings are equal)."""
+    earlier = earlier or {}
+    return ", ".join(f"{key} {earlier.get(key)} -> {now.get(key)}" for key in sorted(set(earlier) | set(now))
+                     if earlier.get(key) != now.get(key))
+
+
 def subsample(labels: np.ndarray, per_label: int, seed: int) -> np.ndarray:
     """Sorted indices of at most `per_label` rows of each label, drawn at random (0: all rows). As MTEB's
     undersampling: a seeded permutation, then the first rows of each label in it."""
@@ -234,6 +293,7 @@ def probe(model: str | Path | PreTrainedModel, tokenizer: Any, cfg: ProbeConfig,
 
 def probe_in(model: str | Path | PreTrainedModel, tokenizer: Any, cfg: ProbeConfig, device: torch.device,
              data: ProbeData, pooling: Pooling | None) -> dict[str, Any]:
+    from sklearn.exceptions import ConvergenceWarning
     from sklearn.linear_model import LogisticRegression  # scikit-learn is only needed by the probe
     from sklearn.metrics import accuracy_score, f1_score
     from sklearn.pipeline import make_pipeline
@@ -243,6 +303,8 @@ def probe_in(model: str | Path | PreTrainedModel, tokenizer: Any, cfg: ProbeConf
     pooling = pooling if pooling is not None else pooling_for(cfg, folder)
     seeds = list(range(cfg.seeds))
     samples = [subsample(data.train_labels, cfg.max_train_per_label, seed) for seed in seeds]
+    if cfg.mode == "linear" and all(np.array_equal(samples[0], sample) for sample in samples):
+        seeds, samples = seeds[:1], samples[:1]  # the same rows: lbfgs reaches the same optimum from every seed
     predictions, extra = [], {}
     if cfg.mode == "linear":
         if folder is not None:
@@ -254,10 +316,15 @@ def probe_in(model: str | Path | PreTrainedModel, tokenizer: Any, cfg: ProbeConf
                          device, "train features")
         test_x = encode(model, tokenizer, data.test_texts, pooling, cfg.batch_size, length, device, "test features")
         for seed, sample in zip(seeds, samples, strict=True):
-            # standardised as the scaler learns from this seed's training rows only; lbfgs, multinomial
-            classifier = make_pipeline(StandardScaler(),
-                                       LogisticRegression(max_iter=LOGREG_MAX_ITER, random_state=seed))
-            classifier.fit(train_x[np.searchsorted(needed, sample)], data.train_labels[sample])
+            if cfg.protocol == "mteb":  # as MTEB: the raw features, lbfgs stopped at 100 iterations (not converged)
+                classifier = LogisticRegression(max_iter=MTEB_MAX_ITER, random_state=seed)
+            else:  # standardised as the scaler learns from this seed's training rows only; lbfgs, multinomial
+                classifier = make_pipeline(StandardScaler(),
+                                           LogisticRegression(max_iter=LOGREG_MAX_ITER, random_state=seed))
+            with warnings.catch_warnings():
+                if cfg.protocol == "mteb":  # MTEB's 100 iterations stop short by design: no warning per seed
+                    warnings.filterwarnings("ignore", category=ConvergenceWarning)
+                classifier.fit(train_x[np.searchsorted(needed, sample)], data.train_labels[sample])
             predictions.append(classifier.predict(test_x))
         extra["pooling"] = pooling.describe()
     else:
@@ -281,17 +348,19 @@ def probe_in(model: str | Path | PreTrainedModel, tokenizer: Any, cfg: ProbeConf
         "accuracy": statistics.fmean(accuracy), "accuracy_std": spread(accuracy),
         "macro_f1": statistics.fmean(macro_f1), "macro_f1_std": spread(macro_f1),
         "majority_accuracy": float(np.mean(data.test_labels == majority)),
-        "n_train": len(samples[0]), "n_test": len(data.test_texts), "seeds": cfg.seeds, "mode": cfg.mode,
-        "n_labels": len(data.classes), "accuracy_per_seed": accuracy, "macro_f1_per_seed": macro_f1, **extra,
+        "n_train": len(samples[0]), "n_train_available": len(data.train_texts), "n_test": len(data.test_texts),
+        "seeds": len(seeds), "mode": cfg.mode, "protocol": cfg.protocol, "n_labels": len(data.classes),
+        "accuracy_per_seed": accuracy, "macro_f1_per_seed": macro_f1, **extra, "settings": settings(cfg),
+        "predictions_per_seed": [p.astype(int).tolist() for p in predictions],
     }
 
 
 def format_table(results: dict[str, dict[str, Any]]) -> str:
-    header = ("model", "mode", "features", "accuracy", "macro-F1", "majority", "train/test")
+    header = ("model", "mode", "features", "accuracy", "macro-F1", "majority", "train (of all)/test")
     rows = [header] + [(
         name, r["mode"], r.get("pooling", "classifier"), f"{r['accuracy']:.4f} ± {r['accuracy_std']:.4f}",
         f"{r['macro_f1']:.4f} ± {r['macro_f1_std']:.4f}", f"{r['majority_accuracy']:.4f}",
-        f"{r['n_train']}/{r['n_test']}") for name, r in results.items()]
+        f"{r['n_train']} (of {r['n_train_available']})/{r['n_test']}") for name, r in results.items()]
     widths = [max(len(row[c]) for row in rows) for c in range(len(header))]
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows)
 

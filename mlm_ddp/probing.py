@@ -3,6 +3,11 @@ training help the user's labeled task? `mlm_ddp.probe` scores the starting model
 `final/` after it, with the same splits, seeds and subsamples, so `before` is what the standalone probe
 gives for the starting model.
 
+Like with like: each figure carries the settings that made it (`probe.settings`: mode, protocol, texts per
+label, seeds, the files' hashes). `before` is kept in the run's folder (`probe_before.json`, with its
+per-seed predictions); a resumed run reuses it only where its settings are today's, and otherwise measures
+`before` again, with today's settings, on the starting model.
+
 The probe runs on the main process alone; the others wait for its figures in the gloo group of
 `MainProcessWait`, whose timeout is the patient `--save_timeout` (DESIGN.md, pitfall 14), so a long probe
 never trips `--ddp_timeout`. A probe that fails says why and the run goes on: the model it scores is
@@ -27,18 +32,20 @@ from accelerate.logging import get_logger
 from mlm_ddp.collectives import MainProcessWait
 from mlm_ddp.config import Config, RunConfig
 from mlm_ddp.durable import write_atomic
-from mlm_ddp.probe import ProbeConfig, ProbeData, check_probe_data, load_probe_data, probe
+from mlm_ddp.probe import ProbeConfig, ProbeData, check_probe_data, differences, load_probe_data, probe, settings
 from mlm_ddp.run_folder import BEST_PROBE, RunFolder, replace_folder
 
 logger = get_logger(__name__)
 FIGURES = ("accuracy", "macro_f1")  # what summary.json, metrics.jsonl and the card carry of each result
 BEST_PROBE_FILE = "probe.json"  # in best_probe/: its step and figures
+BEFORE_FILE = "probe_before.json"  # in the run's folder: the starting model's figures, settings and predictions
 
 
 def probe_config(run: RunConfig) -> ProbeConfig:
     return ProbeConfig(train_file=run.probe_train_file, test_file=run.probe_test_file,
                        text_column=run.probe_text_column, label_column=run.probe_label_column, mode=run.probe_mode,
-                       max_train_per_label=run.probe_max_train_per_label, seeds=run.probe_seeds)
+                       protocol=run.probe_protocol, max_train_per_label=run.probe_max_train_per_label,
+                       seeds=run.probe_seeds)
 
 
 def check(run: RunConfig) -> None:
@@ -74,10 +81,10 @@ def score_here(run: RunConfig, accelerator: Accelerator, model: str, name: str,
     except Exception as err:  # the model is saved already: the run goes on and says what failed
         logger.warning("the probe %s failed (%s: %s); the run goes on without it", name, type(err).__name__, err)
         return None
-    logger.info("probe %s (%s, %s seeds, %d training texts each): accuracy %.4f ± %.4f, macro-F1 %.4f ± %.4f; "
-                "majority class %.4f", name, figures["mode"], figures["seeds"], figures["n_train"],
-                figures["accuracy"], figures["accuracy_std"], figures["macro_f1"], figures["macro_f1_std"],
-                figures["majority_accuracy"])
+    logger.info("probe %s (%s, %s protocol, %s seeds, %d of %d training texts each): accuracy %.4f ± %.4f, macro-F1 "
+                "%.4f ± %.4f; majority class %.4f", name, figures["mode"], figures["protocol"], figures["seeds"],
+                figures["n_train"], figures["n_train_available"], figures["accuracy"], figures["accuracy_std"],
+                figures["macro_f1"], figures["macro_f1_std"], figures["majority_accuracy"])
     return figures
 
 
@@ -89,16 +96,26 @@ def record(figures: dict[str, Any] | None, name: str, step: int) -> dict[str, An
             "probe_accuracy_std": figures["accuracy_std"], "probe_macro_f1_std": figures["macro_f1_std"]}
 
 
-def earlier_before(origins: list[Path]) -> dict[str, Any] | None:
-    """A resumed run's 'before': the figures its first attempt (or a decay branch's source) wrote to
-    metrics.jsonl (`RunLog.origins`)."""
-    from mlm_ddp.run_log import read_metrics_lines
-
-    for metrics in origins:
-        for _line, line in read_metrics_lines(metrics):
-            if line.get("probe") == "before":
-                return {key: line[f"probe_{key}"] for key in (*FIGURES, "majority_accuracy")} | {
-                    "accuracy_std": line["probe_accuracy_std"], "macro_f1_std": line["probe_macro_f1_std"]}
+def earlier_before(folders: list[Path], wanted: dict[str, Any]) -> dict[str, Any] | None:
+    """A resumed run's 'before': the figures its first attempt (or a decay branch's source) kept in
+    `BEFORE_FILE`, where they were made with the settings `wanted`; None (said why) where they must be made
+    again."""
+    kept = []
+    for folder in folders:
+        try:
+            kept.append(json.loads((folder / BEFORE_FILE).read_text()))
+        except (OSError, ValueError):
+            continue
+        if kept[-1].get("settings") == wanted:
+            logger.info("probe before training: the figures of %s (made with today's settings)", folder / BEFORE_FILE)
+            return kept[-1]
+    if kept:
+        logger.warning("the probe's settings changed since %s was measured (%s): 'before' is measured again with "
+                       "today's settings, on the starting model", BEFORE_FILE, differences(kept[0].get("settings"),
+                                                                                            wanted))
+    elif folders:
+        logger.warning("no %s with the settings that made the earlier 'before': it is measured again, on the starting "
+                       "model", BEFORE_FILE)
     return None
 
 
@@ -136,9 +153,10 @@ def add_to_card(final: Path, probed: dict[str, Any] | None, cfg: RunConfig, is_m
 
     rows = [f"| {label(name, f)} | {f['accuracy']:.4f} ± {f['accuracy_std']:.4f} | {f['macro_f1']:.4f} ± "
             f"{f['macro_f1_std']:.4f} | {f['majority_accuracy']:.4f} |" for name, f in probed.items() if f]
+    used = next(f for f in probed.values() if f)
     section = ("\n## Downstream probe\n\n"
-               f"`python -m mlm_ddp.probe` ({cfg.probe_mode}, {cfg.probe_seeds} seeds, "
-               f"{cfg.probe_max_train_per_label or 'all'} training texts per label) on "
+               f"`python -m mlm_ddp.probe` ({used['mode']}, {used['protocol']} protocol, {used['seeds']} seeds, "
+               f"{used['n_train']} of {used['n_train_available']} labeled training texts) on "
                f"`{Path(cfg.probe_train_file).name}` / `{Path(cfg.probe_test_file).name}`:\n\n"
                "| model | accuracy | macro-F1 | majority class |\n| --- | ---: | ---: | ---: |\n"
                + "\n".join(rows) + "\n")
@@ -147,14 +165,21 @@ def add_to_card(final: Path, probed: dict[str, Any] | None, cfg: RunConfig, is_m
 
 def before_training(cfg: Config, accelerator: Accelerator, wait: MainProcessWait, log: Any, beat: Any, step: int,
                     resumed: bool) -> dict[str, Any] | None:
-    """The starting model's figures (a resumed run: those its first attempt wrote), as metrics.jsonl's
-    step-0 probe line. `log`: the RunLog; `beat`: the heartbeat's."""
+    """The starting model's figures, kept in the run's folder (`BEFORE_FILE`) and as metrics.jsonl's step-0
+    probe line. A resumed run reuses its first attempt's where they were made with today's settings, and
+    otherwise measures them again. `log`: the RunLog; `beat`: the heartbeat's."""
     if not cfg.run.probing():
         return None
-    if resumed:
-        return earlier_before(log.origins())
+    earlier = None
+    if resumed and accelerator.is_main_process:
+        earlier = earlier_before([metrics.parent for metrics in log.origins()], settings(probe_config(cfg.run)))
+    earlier = wait.broadcast(earlier)
+    if earlier is not None:
+        return earlier
     beat(step, "probe")
     figures = score(cfg, accelerator, wait, source_folder(cfg), "before")
+    if figures is not None and accelerator.is_main_process:
+        write_atomic(Path(cfg.run.output_dir) / BEFORE_FILE, json.dumps(figures))
     log.write(record(figures, "before", 0), with_tokens=False)
     return figures
 
@@ -217,7 +242,8 @@ class EveryEval:
 
 
 # what summary.json and best_probe/probe.json keep of a probe's figures
-KEPT = (*FIGURES, "accuracy_std", "macro_f1_std", "majority_accuracy", "mode", "seeds", "n_train", "n_test")
+KEPT = (*FIGURES, "accuracy_std", "macro_f1_std", "majority_accuracy", "mode", "protocol", "seeds", "n_train",
+        "n_train_available", "n_test", "accuracy_per_seed", "macro_f1_per_seed", "settings")
 
 
 def read_best(folder: Path) -> dict[str, Any] | None:

@@ -41,7 +41,7 @@ SUMMARY_FILE = "summary.json"
 # everything a run writes into its folder: what --overwrite_output_dir removes
 BEST_PROBE = "best_probe"  # --probe_every_eval: the model of the best downstream probe score (probing.py)
 RUN_OUTPUTS = ("config.yaml", "metrics.jsonl", SUMMARY_FILE, "final", "checkpoints", "logs", STOPPED_FILE,
-               "report.html", "report_plots", BEST_PROBE)
+               "report.html", "report_plots", BEST_PROBE, "probe_before.json")
 
 
 # Settings that may differ on resume: they change what is logged or kept and how long the run goes,
@@ -61,7 +61,7 @@ RESUMABLE_CHANGES = {
     "run.probe_train_file", "run.probe_test_file", "run.probe_text_column", "run.probe_label_column",
     # what is evaluated, not what a step computes
     "data.eval_mlm_probability",
-    "run.probe_mode", "run.probe_max_train_per_label", "run.probe_seeds", "run.probe_every_eval",
+    "run.probe_mode", "run.probe_max_train_per_label", "run.probe_seeds", "run.probe_every_eval", "run.probe_protocol",
 }
 # how the global batch is split: may change on resume when the product with the processes is kept
 BATCH_SPLIT = {"training.per_device_train_batch_size", "training.gradient_accumulation_steps"}

@@ -26,13 +26,22 @@ import pytest
 import torch
 
 from mlm_ddp.errors import BadInput
-from mlm_ddp.probe import ProbeConfig, check_probe_data, load_probe_data, main, pooling_for, probe, subsample
+from mlm_ddp.probe import (
+    ProbeConfig,
+    check_probe_data,
+    load_probe_data,
+    main,
+    pooling_for,
+    probe,
+    settings,
+    subsample,
+)
 from mlm_ddp.probe_features import Pooling, encode, finetune_source, load_encoder, pool
 
 REPO = Path(__file__).resolve().parents[1]
 N_TEST, CHANCE_SD = 400, 0.5 / 400**0.5
 FIELDS = {"accuracy", "accuracy_std", "macro_f1", "macro_f1_std", "majority_accuracy", "n_train", "n_test", "seeds",
-          "mode"}
+          "mode", "protocol", "n_train_available", "settings"}
 CPU = torch.device("cpu")
 
 
@@ -90,11 +99,13 @@ def test_separable_task_far_above_majority_and_every_model_on_the_same_subsample
     assert list(results) == [str(tiny_model), str(tiny_fresh_head)]
     first, second = results.values()
     assert FIELDS <= set(first)
-    assert first["mode"] == "linear" and first["seeds"] == 3 and first["n_test"] == N_TEST
-    assert first["n_train"] == 16  # the default 8 per label (MTEB's), 2 labels
+    # every labeled text by default (issue 45, finding 3): one fit, as every seed would fit the same rows
+    assert first["mode"] == "linear" and first["seeds"] == 1 and first["n_test"] == N_TEST
+    assert first["n_train"] == first["n_train_available"] == 200 and first["protocol"] == "default"
     assert first["majority_accuracy"] == 0.5
     assert first["accuracy"] >= 0.9 and first["macro_f1"] >= 0.9, first  # chance + 16 sd
     assert first["per_seed"] == second["per_seed"] and first["accuracy"] == second["accuracy"]
+    assert "200 (of 200)/400" in out
     table = out.splitlines()[:3]
     assert table[0].split()[:3] == ["model", "mode", "features"] and str(tiny_model) in table[1]
 
@@ -280,3 +291,49 @@ def test_a_dataset_folder_with_its_splits(tiny_model: Path, tmp_path: Path, caps
     assert len(data.train_texts) == 40 and len(data.test_texts) == 40 and data.classes == ["alpha", "beta"]
     assert main([str(tiny_model), "--dataset_name", str(tmp_path), "--test_split", "validation"]) == 2
     assert "has no split 'validation'; splits found: train, test" in capsys.readouterr().err
+
+
+def test_every_labeled_text_by_default_and_a_cap_is_a_flag(tiny_model: Path, task: dict) -> None:
+    """Issue 45, finding 3: the default trains on all 200 labeled texts; --max_train_per_label caps it, and the
+    figures say how many of how many were used."""
+    every = probe(str(tiny_model), None, ProbeConfig(train_file=str(task["train"]), test_file=str(task["test"]),
+                                                     max_seq_length=32), CPU)
+    assert (every["n_train"], every["n_train_available"], every["seeds"]) == (200, 200, 1)
+    capped = probe(str(tiny_model), None, ProbeConfig(train_file=str(task["train"]), test_file=str(task["test"]),
+                                                      max_train_per_label=8, max_seq_length=32), CPU)
+    assert (capped["n_train"], capped["n_train_available"], capped["seeds"]) == (16, 200, 10)
+    assert capped["settings"]["max_train_per_label"] == 8 and every["settings"]["max_train_per_label"] == 0
+
+
+def test_protocol_mteb_is_mteb_exactly(tiny_model: Path, task: dict) -> None:
+    """Issue 45, finding 5: 8 per label, 10 experiments, a plain LogisticRegression(max_iter=100) on the raw
+    features (no scaler): the figures equal scikit-learn's on the same features and subsamples."""
+    from sklearn.linear_model import LogisticRegression
+    from sklearn.metrics import accuracy_score
+
+    cfg = ProbeConfig(train_file=str(task["train"]), test_file=str(task["test"]), protocol="mteb", max_seq_length=32)
+    assert (cfg.max_train_per_label, cfg.seeds) == (8, 10)
+    result = probe(str(tiny_model), None, cfg, CPU)
+    data = load_probe_data(cfg)
+    model, tokenizer = load_encoder(str(tiny_model))
+    train_x = encode(model, tokenizer, data.train_texts, Pooling(), 32, 32, CPU)
+    test_x = encode(model, tokenizer, data.test_texts, Pooling(), 32, 32, CPU)
+    expected = []
+    for seed in range(10):
+        rows_ = subsample(data.train_labels, 8, seed)
+        fitted = LogisticRegression(max_iter=100, random_state=seed).fit(train_x[rows_], data.train_labels[rows_])
+        expected.append(accuracy_score(data.test_labels, fitted.predict(test_x)))
+    assert result["accuracy_per_seed"] == expected and result["n_train"] == 16 and result["protocol"] == "mteb"
+    with pytest.raises(BadInput, match="--protocol mteb is MTEB's classification protocol exactly.*--seeds 3"):
+        ProbeConfig(protocol="mteb", seeds=3)
+    with pytest.raises(BadInput, match="drop --mode finetune"):
+        ProbeConfig(protocol="mteb", mode="finetune")
+
+
+def test_settings_name_the_files_by_their_contents(task: dict, tmp_path: Path) -> None:
+    cfg = ProbeConfig(train_file=str(task["train"]), test_file=str(task["test"]))
+    copy = tmp_path / "train.csv"
+    shutil.copy(task["train"], copy)
+    assert settings(cfg) == settings(ProbeConfig(train_file=str(copy), test_file=str(task["test"])))
+    copy.write_text(copy.read_text() + "one more text,alpha\n")
+    assert settings(cfg)["train"] != settings(ProbeConfig(train_file=str(copy), test_file=str(task["test"])))["train"]

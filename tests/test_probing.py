@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,7 @@ from mlm_ddp.errors import BadInput
 from mlm_ddp.probe import ProbeConfig, probe
 from mlm_ddp.train import main, train
 from tests.conftest import CONFIGS, LAUNCH, free_port, read_metrics, run_module, tiny_args
+from tests.test_eval_masking import fresh_accelerate_state
 from tests.test_probe import rows, write
 
 STEPS = 4
@@ -121,3 +123,28 @@ def test_every_eval_needs_the_probe_and_evaluations(tiny_model: Path, corpus: di
         parse_args(tiny_args(tiny_model, corpus, tmp_path, "--probe_every_eval", "--eval_steps", "2"))
     with pytest.raises(BadInput, match="--eval_steps"):
         parse_args(probed_args(tiny_model, corpus, tmp_path, probe_files, "--probe_every_eval"))
+
+
+def test_a_resume_with_other_probe_settings_measures_before_again(tiny_model: Path, corpus: dict, probe_files: dict,
+                                                                 tmp_path: Path) -> None:
+    """Issue 45, finding 1: a first attempt probed with 4 texts per label, resumed with the default (all 80):
+    `before` is measured again with the resume's settings, on the starting model, and so compares with `after`."""
+    first, resumed = tmp_path / "first", tmp_path / "resumed"
+    train(parse_args(probed_args(tiny_model, corpus, first, probe_files, "--probe_max_train_per_label", "4",
+                                 "--max_train_steps", "2", "--checkpointing_steps", "2", "--report", "false")))
+    assert json.loads((first / "probe_before.json").read_text())["n_train"] == 8
+    (resumed / "checkpoints").mkdir(parents=True)
+    shutil.copytree(first / "checkpoints" / "step-0000002", resumed / "checkpoints" / "step-0000002")
+    for name in ("metrics.jsonl", "probe_before.json"):
+        shutil.copy(first / name, resumed / name)
+    fresh_accelerate_state()
+    train(parse_args(probed_args(tiny_model, corpus, resumed, probe_files, "--max_train_steps", "3",
+                                 "--resume_from_checkpoint", "latest", "--report", "false")))
+    summary = json.loads((resumed / "summary.json").read_text())["probe"]
+    standalone = probe(tiny_model, None, ProbeConfig(train_file=str(probe_files["train"]),
+                                                     test_file=str(probe_files["test"]), seeds=3))
+    assert summary["before"]["n_train"] == summary["after"]["n_train"] == 80
+    assert summary["before"]["settings"] == summary["after"]["settings"] == standalone["settings"]
+    assert summary["before"]["accuracy"] == standalone["accuracy"]
+    # the first attempt's lines, then the resume's: before measured again
+    assert [r["probe"] for r in read_metrics(resumed) if "probe" in r] == ["before", "after", "before", "after"]

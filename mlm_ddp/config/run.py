@@ -130,8 +130,13 @@ class RunConfig:
     probe_mode: Literal["linear", "finetune"] = _doc(
         "linear: frozen features + logistic regression; finetune: a sequence classifier trained briefly.",
         default="linear")
-    probe_max_train_per_label: int = _doc("The probe's training texts per label and seed (0: all).", default=8)
-    probe_seeds: int = _doc("The probe's seeds (subsamples) averaged over.", default=10)
+    probe_protocol: Literal["default", "mteb"] = _doc(
+        "default: every labeled training text; mteb: MTEB's classification protocol exactly (docs/probe.md).",
+        default="default")
+    probe_max_train_per_label: int | None = _doc("A cap on the probe's training texts per label and seed "
+                                                 "(default: all; mteb: 8).", default=None)
+    probe_seeds: int | None = _doc("The probe's seeds (subsamples) averaged over (default 10; finetune 3).",
+                                   default=None)
     probe_every_eval: bool = _doc(
         "Also probe at each evaluation (--eval_steps), to see where the downstream score peaks: the model as it "
         "is then is written beside final/ and probed there, and the one of the best probe accuracy is kept as "
