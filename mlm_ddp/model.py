@@ -323,12 +323,13 @@ class MaskedLMLoss(torch.nn.Module):
         """The loss sums of a batch (B, T). The loss positions (positions.loss_layout) come from the
         collator, computed on the host; without them they are computed here (on a GPU: host syncs).
         `padded` False (the collator saw no padding) passes no attention mask: transformers would read
-        the mask back to the host to find that out (`padding_mask.all()`), and skip it itself."""
+        the mask back to the host to find that out (`padding_mask.all()`), and skip it itself. A padded
+        batch passes the 4-D mask transformers would build (`padding_mask_4d`), for the same reason."""
         if loss_positions is None or loss_order is None or loss_slots is None:
             layout = loss_layout(labels != NO_LOSS)
             loss_positions, loss_order, loss_slots = (layout[key] for key in POSITION_KEYS)
         targets = labels.reshape(-1).index_select(0, loss_positions)  # (N,)
-        mask = attention_mask if padded else None
+        mask = padding_mask_4d(self.model, attention_mask) if padded else None
         if self.last_layer_subset:
             with fast_paths.last_layer_on(self.model, (loss_positions, loss_order, loss_slots), self.draws16):
                 hidden = self.model.base_model(input_ids=input_ids, attention_mask=mask)[0]  # (N, H)
@@ -339,6 +340,26 @@ class MaskedLMLoss(torch.nn.Module):
         else:
             logits = flat_rows(self.model(input_ids=input_ids, attention_mask=mask).logits, loss_positions)  # (N, V)
         return loss_sums(logits, targets)
+
+
+def padding_mask_4d(model: PreTrainedModel, attention_mask: torch.Tensor) -> torch.Tensor:
+    """`attention_mask` (B, T) as the 4-D boolean mask (B, 1, T, T) (True: attend) that transformers' sdpa
+    mask builder makes of it, where the model builds its mask there and transformers passes a 4-D mask
+    through as it is: then the builder never runs, nor its `padding_mask.all()`, a read back to the host
+    that drains the GPU queue on every padded micro-batch (DESIGN.md, pitfall 15). The same values, shape
+    and layout (contiguous) as the builder's, so sdpa gets the same input. Elsewhere the 2-D mask as it is:
+    eager attention wants an additive float mask, and a model with local (sliding-window) layers, such
+    as ModernBERT, builds a second mask from the same argument, which a 4-D one would bypass."""
+    config = model.config
+    full_attention = (not getattr(config, "is_decoder", False) and getattr(config, "local_attention", None) is None
+                      and getattr(config, "sliding_window", None) is None
+                      and set(getattr(config, "layer_types", None) or ["full_attention"]) == {"full_attention"})
+    if not (full_attention and fast_paths.transformers_major() >= 5
+            and getattr(model, "_supports_attention_backend", False)
+            and getattr(config, "_attn_implementation", None) in ("sdpa", fast_paths.ATTENTION_DROPOUT16)):
+        return attention_mask
+    batch, seq = attention_mask.shape
+    return attention_mask.bool()[:, None, None, :].expand(batch, 1, seq, seq).contiguous()  # (B, 1, T, T)
 
 
 def flat_rows(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

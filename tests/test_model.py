@@ -1,5 +1,6 @@
 """The masked-only MLM head computes the loss and gradients of the full head (issue 9); a checkpoint
-saved in bf16 or fp16 trains fp32 master weights (issue 36)."""
+saved in bf16 or fp16 trains fp32 master weights (issue 36); a padded batch's 4-D mask gives the 2-D
+mask's loss and gradients exactly (issue 46)."""
 
 from __future__ import annotations
 
@@ -17,9 +18,11 @@ from transformers import (
     RobertaForMaskedLM,
 )
 
+from mlm_ddp import fast_paths
+from mlm_ddp import model as model_module
 from mlm_ddp.config import ModelConfig
 from mlm_ddp.masking import IGNORE_INDEX
-from mlm_ddp.model import MaskedLMLoss
+from mlm_ddp.model import MaskedLMLoss, padding_mask_4d
 from tests.conftest import SAME_STEPS, tiny_args, train_losses
 
 VOCAB = 500
@@ -75,6 +78,67 @@ def test_masked_only_head_gives_the_full_head_loss_and_gradients(kind: str) -> N
     # the counts: masked tokens and right predictions agree too
     assert [int(x) for x in masked(**b)[1:]] == [int(x) for x in full(**b)[1:]]
     assert int(masked(**b)[1]) == int((b["labels"] != IGNORE_INDEX).sum())
+
+
+def padded_loss_with_both_masks(kind: str, attention: str, subset: bool, device: str = "cpu") -> tuple:
+    """((loss sums, gradients) with the 4-D mask, the same with the 2-D mask) of a padded batch, in training
+    mode with the same seeded dropout draws; checks on the way that padding_mask_4d is the mask transformers'
+    builder makes of the 2-D one (values, shape, layout), which a 4-D mask replaces."""
+    from transformers.masking_utils import create_bidirectional_mask
+
+    from tests.test_fast_paths import loss_and_grads
+
+    model = tiny(kind).train().to(device)
+    if attention == fast_paths.ATTENTION_DROPOUT16:
+        fast_paths.use_dropout16(model)
+    net = MaskedLMLoss(model, last_layer_subset=subset and kind != "distilbert")
+    b = {k: v.to(device) for k, v in batch(2, (4, 24)).items()}  # its last row padded
+    built = create_bidirectional_mask(config=model.config, inputs_embeds=torch.zeros(4, 24, 8, device=device),
+                                      attention_mask=b["attention_mask"])
+    mask = padding_mask_4d(model, b["attention_mask"])
+    assert mask.dtype == torch.bool and mask.shape == built.shape == (4, 1, 24, 24) and not mask[-1, 0, 0, -1]
+    assert torch.equal(mask, built) and mask.stride() == built.stride()
+    torch.manual_seed(7)
+    with_4d = loss_and_grads(net, b)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(model_module, "padding_mask_4d", lambda model, attention_mask: attention_mask)  # the 2-D path
+        torch.manual_seed(7)
+        with_2d = loss_and_grads(net, b)
+    return with_4d, with_2d
+
+
+def assert_same_bits(with_4d: tuple, with_2d: tuple) -> None:
+    assert torch.equal(with_4d[0], with_2d[0]), (with_4d[0], with_2d[0])
+    assert with_4d[1].keys() == with_2d[1].keys()
+    assert all(torch.equal(with_4d[1][name], with_2d[1][name]) for name in with_4d[1])
+
+
+@pytest.mark.parametrize("kind", ["bert", "roberta", "distilbert"])
+@pytest.mark.parametrize("attention", ["sdpa", "sdpa_dropout16"])
+@pytest.mark.parametrize("subset", [False, True])
+def test_a_padded_batch_gets_the_4d_mask_and_exactly_the_2d_masks_loss(kind: str, attention: str,
+                                                                        subset: bool) -> None:
+    """transformers passes a 4-D mask through, so padding_mask_4d must be the mask its builder makes of the
+    2-D one: then sdpa gets the same tensor, and the loss and gradients are the same bits, not merely close."""
+    assert_same_bits(*padded_loss_with_both_masks(kind, attention, subset))
+
+
+def test_the_4d_mask_only_where_transformers_would_build_it_from_sdpa() -> None:
+    """Eager attention adds a float mask; ModernBERT builds a sliding-window mask from the same argument,
+    which a 4-D one would skip: both get the 2-D mask as it is."""
+    from transformers import ModernBertConfig, ModernBertForMaskedLM
+
+    mask = torch.ones(2, 8, dtype=torch.long)
+    mask[1, 5:] = 0
+    eager = tiny("bert")
+    eager.set_attn_implementation("eager")
+    modern = ModernBertForMaskedLM(ModernBertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
+                                                    num_attention_heads=2, intermediate_size=64, pad_token_id=0,
+                                                    bos_token_id=1, eos_token_id=2, cls_token_id=1,
+                                                    sep_token_id=2))
+    assert modern.config._attn_implementation == "sdpa"
+    assert padding_mask_4d(eager, mask) is mask and padding_mask_4d(modern, mask) is mask
+    assert padding_mask_4d(tiny("bert"), mask).shape == (2, 1, 8, 8)
 
 
 def test_masked_only_head_never_builds_the_full_logits() -> None:

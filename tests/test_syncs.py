@@ -11,12 +11,16 @@ nor save (the all-reduce of the step's masked tokens and stop votes, read once).
 from Python data (`torch.tensor(n, device=...)`) are copies from pageable host memory that wait for the
 device, which a dispatch mode cannot see: a TorchFunctionMode counts them, and the budget includes them.
 Before issue 30: 16 syncs per step; before issue 36: 1 sync and 3 copies at accumulation 2 (the loss
-sums' count per micro-batch, the stop votes per step); now 1 and 0.
+sums' count per micro-batch, the stop votes per step); now 1 and 0. Before issue 46 a padded micro-batch
+(a packed run's short block, every batch of --line_by_line) cost one more: transformers' mask builder read
+`padding_mask.all()` back; the quiet steps of `padded_counted` hold padded micro-batches, and the count
+records which (`count_syncs`' "padded"), so that the test cannot pass without them.
 The GPU suite (tests/gpu) checks the same with torch.cuda.set_sync_debug_mode."""
 
 from __future__ import annotations
 
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -83,13 +87,28 @@ class CountCopies(TorchFunctionMode):
 STEPS = 8
 
 
+def record_padded(patch: pytest.MonkeyPatch, record: Callable[[], None]) -> None:
+    """`record()` at each forward of a batch with padding (the collator's `padded`), while `patch` holds."""
+    from mlm_ddp.model import MaskedLMLoss
+
+    forward = MaskedLMLoss.forward
+
+    def recorded_forward(self, *args, padded: bool = True, **kwargs):
+        if padded:
+            record()
+        return forward(self, *args, padded=padded, **kwargs)
+
+    patch.setattr(MaskedLMLoss, "forward", recorded_forward)
+
+
 def count_syncs(args: list[str]) -> dict[str, list[tuple[tuple[int, str], str]]]:
     """One `train` run of `args` with every sync and every copy of Python data counted, each with the
-    heartbeat's (step, phase) at the time: {"syncs": [((step, phase), what), ...], "copies": [...]}."""
+    heartbeat's (step, phase) at the time: {"syncs": [((step, phase), what), ...], "copies": [...],
+    "padded": [((step, phase), "padded"), ...], one per micro-batch or evaluation batch with padding}."""
     from mlm_ddp.train import Hooks
 
     beat_now: list[tuple[int, str]] = [(0, "start")]
-    seen: dict[str, list] = {"syncs": [], "copies": []}
+    seen: dict[str, list] = {"syncs": [], "copies": [], "padded": []}
 
     class Stamped(list):
         def __init__(self, kind: str) -> None:
@@ -108,6 +127,7 @@ def count_syncs(args: list[str]) -> dict[str, list[tuple[tuple[int, str], str]]]
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(mlm_ddp.train, "fit", counted_fit)
+        record_padded(patch, lambda: seen["padded"].append((beat_now[-1], "padded")))
         mlm_ddp.train.train(parse_args(args), Hooks(on_beat=lambda beat: beat_now.append((beat.step, beat.phase))))
     return seen
 
@@ -156,3 +176,43 @@ def test_no_step_and_no_evaluation_batch_copies_python_data_to_the_device(counte
     with CountCopies(seen, []):
         torch.tensor(3, device="cpu")
     assert len(seen) == 1
+
+
+def short_text(root: Path, paragraphs: int = 4) -> Path:
+    """The first `paragraphs` of the corpus: a packed epoch of fewer blocks than one optimizer step reads
+    (batch 8, accumulation 2), so that every step reads the short block of the epoch, padded."""
+    from tests.conftest import corpus_paragraphs
+
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "short.txt").write_text("\n".join(corpus_paragraphs()[:paragraphs]) + "\n")
+    return root / "short.txt"
+
+
+PADDED_RUNS = {
+    # one tokenization batch whose remainder is a short block, in every step
+    "packed, a short block": lambda root: ["--train_file", str(short_text(root))],
+    # one line per sequence, each batch padded to its longest line
+    "--line_by_line": lambda root: ["--line_by_line", "--max_seq_length", "64"],
+}
+
+
+@pytest.fixture(scope="module", params=list(PADDED_RUNS))
+def padded_counted(request: pytest.FixtureRequest, tiny_model: Path, corpus: dict,
+                   tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """Runs like `counted` whose quiet steps hold padded micro-batches (PADDED_RUNS), counted."""
+    root = tmp_path_factory.mktemp("padded")
+    return count_syncs(tiny_args(tiny_model, corpus, root / "run", "--max_train_steps", str(STEPS),
+                                 "--gradient_accumulation_steps", "2", "--logging_steps", "1000", "--report", "false",
+                                 *PADDED_RUNS[request.param](root)))
+
+
+def test_a_padded_micro_batch_costs_no_wait_for_the_device(padded_counted: dict) -> None:
+    """The same budget with padding in every quiet step: sdpa gets the 4-D mask (model.padding_mask_4d), so
+    transformers' mask builder, which reads `padding_mask.all()` back, never runs. Before issue 46: one more
+    per padded micro-batch (2 or 3 per step here)."""
+    padded = per_step(padded_counted["padded"])
+    steps = waits(padded_counted)
+    print(f"padded micro-batches per quiet step {[len(v) for v in padded.values()]}; waits: {describe(steps)}")
+    assert all(padded.values()), f"a quiet step without a padded micro-batch proves nothing: {padded}"
+    assert any(what.startswith("tolist step.py") for what in steps[2]), "nothing counted: the modes saw no step"
+    assert all(len(v) == SYNC_BUDGET for v in steps.values()), describe(steps)

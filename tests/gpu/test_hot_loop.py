@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tests.conftest import NO_DROPOUT, SAME_STEPS, train_losses
-from tests.gpu.conftest import ON_GPU, device, gpu_precisions, on_cuda, pick, train_run
+from tests.gpu.conftest import ON_GPU, device, gpu_precisions, on_cuda, pick, train_run, write_text
 
 # waits for the device per optimizer step on the steps that neither log, evaluate nor save: the read of
 # the step's all-reduce, once (tests/test_syncs.py counts the same on the CPU)
@@ -24,32 +24,49 @@ def innermost_mlm_ddp_line() -> str:
     return f"{frames[-1].filename.rsplit('/mlm_ddp/', 1)[1]}:{frames[-1].lineno}" if frames else "outside mlm_ddp"
 
 
+def padded_text(root: Path) -> list[str]:
+    """A packed epoch of fewer blocks than one optimizer step reads (about half a step's tokens in words):
+    every step reads the epoch's short block, padded, and blocks without padding."""
+    return ["--train_file", str(write_text(root / "short.txt", pick(32 * 2 * 128, 8 * 2 * 32) // 2))]
+
+
+# each run's quiet steps hold padded micro-batches: transformers' mask builder would read the padding mask
+# back (`padding_mask.all()`) for each, unless the model passes the 4-D mask (model.padding_mask_4d)
+PADDED_RUNS = {"packed": padded_text, "line_by_line": lambda root: ["--line_by_line"]}
+
+
+@pytest.mark.parametrize("data", list(PADDED_RUNS))
 def test_the_hot_loop_syncs_once_per_optimizer_step(request: pytest.FixtureRequest, encoders: dict[str, Path],
                                                    text: dict[str, Path], tmp_path: Path,
-                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    """MiniLM's shape, accumulation 2, in the precision auto picks. On the GPU torch's sync debug mode
-    reports every wait (a scalar read, a data-dependent shape, a copy from pageable host memory); in the
-    dry run test_syncs' dispatch and function modes count the same operations."""
+                                                   monkeypatch: pytest.MonkeyPatch, data: str) -> None:
+    """MiniLM's shape, accumulation 2, in the precision auto picks, with padded micro-batches in every
+    counted step (asserted: a step without one would not test the padded path). On the GPU torch's sync
+    debug mode reports every wait (a scalar read, a data-dependent shape, a copy from pageable host
+    memory); in the dry run test_syncs' dispatch and function modes count the same operations."""
     from mlm_ddp.config import parse_args
     from mlm_ddp.train import Hooks, train
-    from tests.test_syncs import count_syncs, describe, waits
+    from tests.test_syncs import count_syncs, describe, per_step, record_padded, waits
 
     args = ["--model_name_or_path", str(encoders["minilm"]), "--train_file", str(text["train"]),
             "--validation_file", str(text["valid"]), "--output_dir", str(tmp_path / "run"),
             "--max_train_steps", str(STEPS), "--gradient_accumulation_steps", "2", "--logging_steps", "1000",
             "--per_device_train_batch_size", str(pick(32, 8)), "--max_seq_length", str(pick(128, 32)),
-            "--max_eval_samples", str(pick(64, 16)), "--mixed_precision", gpu_precisions()[-1], "--report", "false"]
+            "--max_eval_samples", str(pick(64, 16)), "--mixed_precision", gpu_precisions()[-1], "--report", "false",
+            *PADDED_RUNS[data](tmp_path)]
     if not on_cuda(request, "torch.cuda.set_sync_debug_mode counts the waits (the dry run: tests/test_syncs' modes)"):
         monkeypatch.setenv("ACCELERATE_USE_CPU", "true")
-        steps = waits(count_syncs(args), STEPS)
+        counted = count_syncs(args)
+        steps, padded = waits(counted, STEPS), per_step(counted["padded"], STEPS)
     else:
         where: list[tuple[int, str]] = []  # (step, the mlm_ddp line that waited)
+        padded_at: list[int] = []  # the step of each padded micro-batch
         step_now = [0]
 
         def record(message, category, filename, lineno, file=None, line=None) -> None:
             if "synchroniz" in str(message):
                 where.append((step_now[0], innermost_mlm_ddp_line()))
 
+        record_padded(monkeypatch, lambda: padded_at.append(step_now[0]))
         with warnings.catch_warnings():
             warnings.simplefilter("always")
             warnings.showwarning = record
@@ -59,9 +76,41 @@ def test_the_hot_loop_syncs_once_per_optimizer_step(request: pytest.FixtureReque
             finally:
                 torch.cuda.set_sync_debug_mode(0)
         steps = {step: [line for at, line in where if at == step] for step in range(2, STEPS)}
-    print(f"waits for the device per optimizer step on {device()}, accumulation 2, steps 2-{STEPS - 1}: "
-          f"{describe(steps)}")
+        padded = {step: [at for at in padded_at if at == step] for step in range(2, STEPS)}
+    print(f"{data}: padded micro-batches per step {[len(v) for v in padded.values()]}; waits for the device per "
+          f"optimizer step on {device()}, accumulation 2, steps 2-{STEPS - 1}: {describe(steps)}")
+    assert all(padded.values()), f"a counted step without a padded micro-batch proves nothing: {padded}"
     assert all(len(v) == SYNC_BUDGET for v in steps.values()), describe(steps)
+
+
+def test_a_padded_batch_gets_the_2d_masks_loss(request: pytest.FixtureRequest) -> None:
+    """model.padding_mask_4d on the device, in fp32 (TF32 off) and under each 16-bit autocast this device
+    trains in: sdpa gets the tensor transformers' builder would have made, so the forward (the loss sums) is
+    the same bits as with the 2-D mask: that is the sharp check (a mask that let padding be attended moves
+    the loss). The gradients only to a loose bound, 4 unit roundoffs of the format times the largest gradient:
+    CUDA's attention backward may sum in another order from one call to the next, by how much is not known
+    until a GPU has run this; the largest difference seen is printed, to replace the bound with a measured one
+    (tests/test_model.py asserts the same bits for the gradients on the CPU)."""
+    from tests.test_model import padded_loss_with_both_masks
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    worst: dict[str, float] = {}
+    for precision in ["no", *gpu_precisions()]:
+        dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(precision)
+        roundoff = {"fp16": 2.0**-11, "bf16": 2.0**-8}.get(precision, 2.0**-24)
+        for kind in ("bert", "roberta"):
+            for subset in (False, True):
+                with torch.autocast(device(), dtype=dtype, enabled=dtype is not None):
+                    (stats4, grads4), (stats2, grads2) = padded_loss_with_both_masks(kind, "sdpa", subset, device())
+                assert torch.equal(stats4, stats2), (precision, kind, subset, stats4, stats2)
+                scale = max(float(g.abs().max()) for g in grads2.values())
+                for name in grads2:
+                    gap = float((grads4[name] - grads2[name]).abs().max())
+                    worst[precision] = max(worst.get(precision, 0.0), gap / scale)
+                    assert gap <= 4 * roundoff * scale, (precision, kind, subset, name, gap, scale)
+    print("4-D against 2-D mask, largest gradient difference / largest gradient: "
+          + ", ".join(f"{p} {w:.1e}" for p, w in worst.items()))
+    on_cuda(request, "the 4-D mask on CUDA's sdpa kernels (the dry run: the CPU's)")
 
 
 def test_the_last_layer_subset_gives_the_full_loss_and_gradients(request: pytest.FixtureRequest) -> None:
