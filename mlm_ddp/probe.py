@@ -16,7 +16,6 @@ its figures.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import statistics
 import sys
@@ -33,6 +32,7 @@ from transformers import HfArgumentParser, PreTrainedModel
 from mlm_ddp.config import _doc
 from mlm_ddp.data.text import _builder_for, _load, check_columns
 from mlm_ddp.errors import BadInput
+from mlm_ddp.probe_compare import change, describe_change, settings
 from mlm_ddp.probe_features import (
     FinetuneRecipe,
     Pooling,
@@ -219,37 +219,6 @@ def check_probe_data(cfg: ProbeConfig) -> None:
     load_probe_data(cfg)
 
 
-def file_hash(path: str) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return "sha256:" + digest.hexdigest()
-
-
-def settings(cfg: ProbeConfig) -> dict[str, Any]:
-    """What made a figure: two figures compare only where these are equal. The files by their contents' hash;
-    a dataset by its name, configuration and split."""
-    keys = ["mode", "protocol", "max_train_per_label", "seeds", "text_column", "label_column", "pooling",
-            "max_seq_length"] + (["learning_rate", "epochs", "batch_size"] if cfg.mode == "finetune" else [])
-    out: dict[str, Any] = {key: getattr(cfg, key) for key in keys}
-    for split in ("train", "test"):
-        if cfg.dataset_name is not None:
-            name = cfg.train_split if split == "train" else cfg.test_split
-            out[split] = f"dataset {cfg.dataset_name} {cfg.dataset_config_name or ''} {name}".replace("  ", " ")
-        else:
-            path = cfg.train_file if split == "train" else cfg.test_file
-            out[split] = file_hash(path) if path is not None else None
-    return out
-
-
-def differences(earlier: dict[str, Any] | None, now: dict[str, Any]) -> str:
-    """'max_train_per_label 8 -> 0, test sha256:ab.. -> sha256:cd..' ('' where the settings are equal)."""
-    earlier = earlier or {}
-    return ", ".join(f"{key} {earlier.get(key)} -> {now.get(key)}" for key in sorted(set(earlier) | set(now))
-                     if earlier.get(key) != now.get(key))
-
-
 def subsample(labels: np.ndarray, per_label: int, seed: int) -> np.ndarray:
     """Sorted indices of at most `per_label` rows of each label, drawn at random (0: all rows). As MTEB's
     undersampling: a seeded permutation, then the first rows of each label in it."""
@@ -377,10 +346,15 @@ def main(argv: list[str] | None = None) -> int:
     except BadInput as err:
         sys.stderr.write(err.line(PROG) + "\n")  # one write: the line arrives whole
         return err.exit_code
+    # each model after the first against the first: paired, with the interval of a paired bootstrap
+    first, *others = positional.models
+    changes = {name: change(results[first], results[name], data.test_labels) for name in others}
     print(format_table(results))
+    for name, delta in changes.items():
+        print(f"{name} - {first}: {describe_change(delta)}")
     print(json.dumps({name: {k: v for k, v in r.items() if not k.endswith("_per_seed")} | {
         "per_seed": {"accuracy": r["accuracy_per_seed"], "macro_f1": r["macro_f1_per_seed"]}}
-        for name, r in results.items()}))
+        | ({"change": changes[name]} if name in changes else {}) for name, r in results.items()}))
     return 0
 
 

@@ -32,7 +32,8 @@ from accelerate.logging import get_logger
 from mlm_ddp.collectives import MainProcessWait
 from mlm_ddp.config import Config, RunConfig
 from mlm_ddp.durable import write_atomic
-from mlm_ddp.probe import ProbeConfig, ProbeData, check_probe_data, differences, load_probe_data, probe, settings
+from mlm_ddp.probe import ProbeConfig, ProbeData, check_probe_data, load_probe_data, probe
+from mlm_ddp.probe_compare import change, describe_change, differences, settings
 from mlm_ddp.run_folder import BEST_PROBE, RunFolder, replace_folder
 
 logger = get_logger(__name__)
@@ -119,15 +120,42 @@ def earlier_before(folders: list[Path], wanted: dict[str, Any]) -> dict[str, Any
     return None
 
 
-def summary(before: dict[str, Any] | None, after: dict[str, Any] | None,
-            best: dict[str, Any] | None = None) -> dict[str, Any] | None:
-    """summary.json's "probe": {"before": {...}, "after": {...}}, each with accuracy and macro_f1, and with
-    --probe_every_eval "best": the best evaluation's, with its step and folder."""
+def summary(before: dict[str, Any] | None, after: dict[str, Any] | None, best: dict[str, Any] | None = None,
+            delta: dict[str, Any] | None = None) -> dict[str, Any] | None:
+    """summary.json's "probe": {"before": {...}, "after": {...}, "change": {...}}, each figure with accuracy and
+    macro_f1 (and per seed), the change with its 95% intervals, and with --probe_every_eval "best": the best
+    evaluation's, with its step and folder."""
     if before is None and after is None and best is None:
         return None
     kept = {name: {k: v for k, v in figures.items() if k in KEPT} if figures else None
             for name, figures in (("before", before), ("after", after))}
-    return kept | ({"best": best} if best is not None else {})
+    return kept | ({"change": delta} if delta is not None else {}) | ({"best": best} if best is not None else {})
+
+
+def compare(run: RunConfig, accelerator: Accelerator, wait: MainProcessWait, before: dict[str, Any] | None,
+            after: dict[str, Any] | None) -> dict[str, Any] | None:
+    """after - before with its 95% intervals (probe_compare.change), on every rank; None where either is
+    missing or the two do not compare (said: e.g. a probe file changed during the run)."""
+    if before is None or after is None:
+        return None
+    delta = None
+    if accelerator.is_main_process:
+        try:
+            delta = change(before, after, load_probe_data(probe_config(run)).test_labels)
+        except ValueError as err:
+            logger.warning("the probe's 'before' and 'after' do not compare: %s; no change is reported", err)
+        else:
+            logger.info("probe change after training: %s", describe_change(delta))
+    return wait.broadcast(delta)
+
+
+def change_record(delta: dict[str, Any] | None) -> dict[str, float]:
+    """The change's fields of metrics.jsonl's "after" line."""
+    if delta is None:
+        return {}
+    return {f"probe_change_{key}{end}": value for key in FIGURES
+            for end, value in (("", delta[key]), ("_ci95_low", delta[f"{key}_ci95"][0]),
+                               ("_ci95_high", delta[f"{key}_ci95"][1]))}
 
 
 def line(probed: dict[str, Any] | None) -> str:
@@ -136,9 +164,10 @@ def line(probed: dict[str, Any] | None) -> str:
         return ""
     if not probed.get("before"):
         return f"; probe accuracy {probed['after']['accuracy']:.4f}, macro-F1 {probed['after']['macro_f1']:.4f}"
-    before, after, best = probed["before"], probed["after"], probed.get("best")
+    before, after, best, delta = probed["before"], probed["after"], probed.get("best"), probed.get("change")
     return (f"; probe accuracy {before['accuracy']:.4f} -> {after['accuracy']:.4f}, "
             f"macro-F1 {before['macro_f1']:.4f} -> {after['macro_f1']:.4f}"
+            + (f" (change: {describe_change(delta)})" if delta else " (settings differ: no change reported)")
             + (f" (best {best['accuracy']:.4f} at step {best['step']}: {best['folder']}/)" if best else ""))
 
 
@@ -152,14 +181,18 @@ def add_to_card(final: Path, probed: dict[str, Any] | None, cfg: RunConfig, is_m
         return f"best (step {figures['step']}, {BEST_PROBE}/)" if name == "best" else name
 
     rows = [f"| {label(name, f)} | {f['accuracy']:.4f} ± {f['accuracy_std']:.4f} | {f['macro_f1']:.4f} ± "
-            f"{f['macro_f1_std']:.4f} | {f['majority_accuracy']:.4f} |" for name, f in probed.items() if f]
+            f"{f['macro_f1_std']:.4f} | {f['majority_accuracy']:.4f} |" for name, f in probed.items()
+            if f and name != "change"]
     used = next(f for f in probed.values() if f)
     section = ("\n## Downstream probe\n\n"
                f"`python -m mlm_ddp.probe` ({used['mode']}, {used['protocol']} protocol, {used['seeds']} seeds, "
                f"{used['n_train']} of {used['n_train_available']} labeled training texts) on "
                f"`{Path(cfg.probe_train_file).name}` / `{Path(cfg.probe_test_file).name}`:\n\n"
                "| model | accuracy | macro-F1 | majority class |\n| --- | ---: | ---: | ---: |\n"
-               + "\n".join(rows) + "\n")
+               + "\n".join(rows) + "\n"
+               + (f"\nThe change after - before, paired (the same subsamples, seeds and test texts), with the 95% "
+                  f"interval of a paired bootstrap over the test texts and seeds: {describe_change(probed['change'])}"
+                  ".\n" if probed.get("change") else ""))
     write_atomic(card, card.read_text() + section)
 
 
@@ -194,8 +227,9 @@ def after_training(cfg: Config, accelerator: Accelerator, wait: MainProcessWait,
     after = every.figures_at(step)
     if after is None:
         after = score(cfg, accelerator, wait, str(final), "after")
-    log.write(record(after, "after", step), with_tokens=False)
-    probed = summary(before, after, every.best)
+    delta = compare(cfg.run, accelerator, wait, before, after)
+    log.write(record(after, "after", step) | (change_record(delta) if after else {}), with_tokens=False)
+    probed = summary(before, after, every.best, delta)
     add_to_card(final, probed, cfg.run, accelerator.is_main_process)
     return probed
 

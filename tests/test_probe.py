@@ -36,6 +36,7 @@ from mlm_ddp.probe import (
     settings,
     subsample,
 )
+from mlm_ddp.probe_compare import change, describe_change, weighted_scores
 from mlm_ddp.probe_features import Pooling, encode, finetune_source, load_encoder, pool
 
 REPO = Path(__file__).resolve().parents[1]
@@ -106,6 +107,10 @@ def test_separable_task_far_above_majority_and_every_model_on_the_same_subsample
     assert first["accuracy"] >= 0.9 and first["macro_f1"] >= 0.9, first  # chance + 16 sd
     assert first["per_seed"] == second["per_seed"] and first["accuracy"] == second["accuracy"]
     assert "200 (of 200)/400" in out
+    # the same features: the change is exactly 0, and so is its interval (issue 45, finding 4)
+    assert f"{tiny_fresh_head} - {tiny_model}: accuracy +0.0000 (95% CI +0.0000..+0.0000)" in out
+    assert second["change"]["accuracy"] == 0 and second["change"]["accuracy_ci95"] == [0, 0]
+    assert out.count("no measurable change") == 1 and "change" not in first
     table = out.splitlines()[:3]
     assert table[0].split()[:3] == ["model", "mode", "features"] and str(tiny_model) in table[1]
 
@@ -337,3 +342,53 @@ def test_settings_name_the_files_by_their_contents(task: dict, tmp_path: Path) -
     assert settings(cfg) == settings(ProbeConfig(train_file=str(copy), test_file=str(task["test"])))
     copy.write_text(copy.read_text() + "one more text,alpha\n")
     assert settings(cfg)["train"] != settings(ProbeConfig(train_file=str(copy), test_file=str(task["test"])))["train"]
+
+
+def test_weighted_scores_are_scikit_learns_on_the_resampled_texts() -> None:
+    """The bootstrap's fast [accuracy, macro-F1] equal scikit-learn's on the texts drawn, a class absent from
+    the draw included (f1_score averages over the labels in y_true or y_pred only)."""
+    from sklearn.metrics import accuracy_score, f1_score
+
+    rng = np.random.default_rng(1)
+    labels, predicted = rng.integers(0, 4, 60), rng.integers(0, 3, 60)
+    labels[labels == 3] = 2  # class 3 is in neither
+    for _ in range(20):
+        drawn = rng.integers(0, 60, 60)
+        weights = np.bincount(drawn, minlength=60).astype(float)
+        expected = [accuracy_score(labels[drawn], predicted[drawn]),
+                    f1_score(labels[drawn], predicted[drawn], average="macro", zero_division=0.0)]
+        np.testing.assert_allclose(weighted_scores(labels, predicted, weights, 5), expected, rtol=1e-12)
+
+
+def figures(predictions: list[np.ndarray], labels: np.ndarray, **settings_: object) -> dict:
+    from sklearn.metrics import accuracy_score, f1_score
+
+    return {"accuracy": float(np.mean([accuracy_score(labels, p) for p in predictions])),
+            "macro_f1": float(np.mean([f1_score(labels, p, average="macro") for p in predictions])),
+            "predictions_per_seed": [p.tolist() for p in predictions], "settings": {"mode": "linear", **settings_}}
+
+
+def test_the_change_is_paired_with_a_bootstrap_interval() -> None:
+    """Issue 45, finding 4: after - before, text by text and seed by seed, with a seeded 95% interval that holds 0
+    where the two differ on a handful of texts, and not where one fixes 40 of 400."""
+    labels = np.arange(400) % 2
+    before = labels.copy()
+    before[:100] = 1 - before[:100]  # 100 errors: 0.75
+    fixed = before.copy()
+    fixed[:40] = labels[:40]  # 40 of them fixed, nothing broken: 0.85
+    swapped = before.copy()
+    swapped[:2] = labels[:2]  # 2 fixed, 2 broken: the same accuracy
+    swapped[200:202] = 1 - labels[200:202]
+    gain = change(figures([before], labels), figures([fixed], labels), labels)
+    assert gain["accuracy"] == pytest.approx(0.1) and 0.06 < gain["accuracy_ci95"][0] < 0.1 < gain["accuracy_ci95"][1]
+    assert describe_change(gain).endswith(": a measurable change")
+    level = change(figures([before], labels), figures([swapped], labels), labels)
+    assert level["accuracy"] == 0 and level["accuracy_ci95"][0] < 0 < level["accuracy_ci95"][1]
+    assert describe_change(level).endswith(": no measurable change")
+    assert change(figures([before], labels), figures([swapped], labels), labels) == level  # seeded
+    # several seeds: the seeds are drawn too, so seeds that disagree widen the interval
+    spread = change(figures([before, before], labels), figures([fixed, swapped], labels), labels)
+    assert spread["accuracy"] == pytest.approx(0.05) and spread["accuracy_ci95"][0] <= 0 and spread["seeds"] == 2
+    with pytest.raises(ValueError, match="other settings .*max_train_per_label 8 -> 0"):
+        change(figures([before], labels, max_train_per_label=8), figures([fixed], labels, max_train_per_label=0),
+               labels)

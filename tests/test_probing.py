@@ -55,6 +55,15 @@ def test_before_is_the_standalone_probe_of_the_starting_model(probed_run: Path, 
                                                           test_file=str(probe_files["test"]), seeds=3))
     assert summary["after"]["accuracy"] == after["accuracy"] and summary["after"]["macro_f1"] == after["macro_f1"]
     assert summary["before"]["accuracy"] > summary["before"]["majority_accuracy"]  # the task is learnable
+    # issue 45, finding 4: the paired change with its interval, and the per-seed figures it pairs
+    delta = summary["change"]
+    assert delta["accuracy"] == summary["after"]["accuracy"] - summary["before"]["accuracy"]
+    assert delta["accuracy_ci95"][0] <= delta["accuracy"] <= delta["accuracy_ci95"][1]
+    assert delta["macro_f1_ci95"][0] <= delta["macro_f1"] <= delta["macro_f1_ci95"][1]
+    assert delta["seeds"] == 1 and delta["n_test"] == 100 and len(summary["before"]["accuracy_per_seed"]) == 1
+    after_line = [r for r in read_metrics(probed_run) if r.get("probe") == "after"][-1]
+    assert after_line["probe_change_accuracy"] == delta["accuracy"]
+    assert after_line["probe_change_macro_f1_ci95_low"] == delta["macro_f1_ci95"][0]
 
 
 def test_metrics_card_and_report_carry_both(probed_run: Path) -> None:
@@ -63,7 +72,7 @@ def test_metrics_card_and_report_carry_both(probed_run: Path) -> None:
                                                          ("after", STEPS)]
     # the last evaluation probed final/'s very weights: "after" reuses its figures
     assert {k: v for k, v in lines[2].items() if k.startswith("probe_")} == {
-        k: v for k, v in lines[3].items() if k.startswith("probe_")}
+        k: v for k, v in lines[3].items() if k.startswith("probe_") and not k.startswith("probe_change_")}
     assert all(0 <= r["probe_accuracy"] <= 1 and 0 <= r["probe_macro_f1"] <= 1 for r in lines)
     card = (probed_run / "final" / "README.md").read_text()
     assert "## Downstream probe" in card and "| before |" in card and "| after |" in card and "| best (step " in card
@@ -78,6 +87,7 @@ def test_the_closing_line_names_the_probe(tiny_model: Path, corpus: dict, probe_
                             "--report", "false")) == 0
     done = [line for line in caplog.text.splitlines() if "done: " in line]
     assert done and "; probe accuracy " in done[-1], caplog.text[-2000:]
+    assert " (change: accuracy " in done[-1] and "(95% CI " in done[-1], done[-1]
 
 
 def test_a_bad_probe_file_stops_the_run_before_anything_is_written(tiny_model: Path, corpus: dict, tmp_path: Path,
