@@ -142,9 +142,15 @@ def attention_for(cfg: ModelConfig, model_class: type[PreTrainedModel]) -> str:
 
 
 def checkpoint_dtype(model_config: Any) -> str | None:
-    """The dtype the config names for the weights, which transformers 5 loads them in ('auto'); None: none."""
-    dtype = getattr(model_config, "dtype", None) or getattr(model_config, "torch_dtype", None)
+    """The dtype the config names for the weights, which transformers 5 loads them in ('auto'); None: none.
+    Read under this transformers' name only: from 4.56 on, reading `torch_dtype` logs that it is deprecated,
+    a warning on the first screen of every run whose checkpoint names no dtype (all-MiniLM-L6-v2's)."""
+    dtype = getattr(model_config, "dtype" if transformers_version() >= (4, 56) else "torch_dtype", None)
     return None if dtype is None else str(dtype).removeprefix("torch.")
+
+
+def transformers_version() -> tuple[int, int]:
+    return tuple(map(int, transformers.__version__.split(".")[:2]))
 
 
 def load_model(cfg: ModelConfig, model_config: Any) -> PreTrainedModel:
@@ -190,7 +196,7 @@ def load_model(cfg: ModelConfig, model_config: Any) -> PreTrainedModel:
 def load_kwargs(low_memory: bool) -> dict[str, Any]:
     """Loading keywords for this transformers: fp32 weights (5 loads what the config names; the keyword was
     torch_dtype before 4.56), and low_cpu_mem_usage where it is still taken (5.x always loads so)."""
-    version = tuple(map(int, transformers.__version__.split(".")[:2]))
+    version = transformers_version()
     fp32 = {"dtype" if version >= (4, 56) else "torch_dtype": torch.float32}
     return {**fp32, "low_cpu_mem_usage": True} if low_memory and version < (5, 0) else fp32
 
