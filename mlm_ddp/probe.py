@@ -17,11 +17,12 @@ its figures.
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import sys
 import tempfile
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -31,7 +32,7 @@ from transformers import HfArgumentParser, PreTrainedModel
 
 from mlm_ddp.config import _doc
 from mlm_ddp.data.text import _builder_for, _load, check_columns
-from mlm_ddp.errors import BadInput
+from mlm_ddp.errors import BadInput, say
 from mlm_ddp.probe_compare import change, describe_change, settings
 from mlm_ddp.probe_features import (
     FinetuneRecipe,
@@ -119,17 +120,69 @@ class ProbeConfig:
 
 @dataclass
 class ProbeData:
-    """Both splits, labels as class numbers: classes[k] is the label of number k."""
+    """Both splits, labels as class numbers: classes[k] is the label (a string, as written) of number k.
+    `notes`: the rows left out (no label, or no text), one warning line per split, for the caller to say."""
 
     train_texts: list[str]
     train_labels: np.ndarray  # (N_train,) int64
     test_texts: list[str]
     test_labels: np.ndarray  # (N_test,) int64
-    classes: list[Any]
+    classes: list[str]
+    notes: list[str] = field(default_factory=list)
 
 
-def read_split(cfg: ProbeConfig, split: Literal["train", "test"]) -> tuple[list[str], list[Any], str]:
-    """(texts, labels, where) of one split, every column and value checked."""
+def as_written(label: Any) -> str | None:
+    """A label as the file wrote it, as a string ("01" stays "01"; 1 becomes "1"); None where there is none (a
+    missing value, a NaN, an empty cell)."""
+    if label is None or (isinstance(label, float) and math.isnan(label)):
+        return None
+    text = label if isinstance(label, str) else str(label)
+    return text if text.strip() else None
+
+
+class Records:
+    """A json or jsonl file's rows, read with Python's json, values as written: datasets' json reader makes a
+    column of numbers and strings a column of JSON values and decodes the string "01" as the number 1."""
+
+    def __init__(self, path: str, flag: str) -> None:
+        text = Path(path).read_text(encoding="utf-8")
+        try:
+            rows = json.loads(text)  # a whole-file array of records, or JSON lines of one record
+            rows = [rows] if isinstance(rows, dict) else rows
+        except ValueError:
+            rows = []
+            for number, line in enumerate(text.splitlines(), 1):  # JSON lines
+                try:
+                    rows += [json.loads(line)] if line.strip() else []
+                except ValueError as err:
+                    raise BadInput(f"{flag}: line {number} is not JSON ({err})") from err
+        if not isinstance(rows, list) or not all(isinstance(row, dict) for row in rows):
+            raise BadInput(f"{flag}: neither JSON lines nor an array of records (one object per text)")
+        self.rows = rows
+        self.column_names = list(dict.fromkeys(key for row in rows for key in row))
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, name: str) -> list[Any]:
+        return [row.get(name) for row in self.rows]
+
+
+def load_file(builder: str, path: str, cfg: ProbeConfig, flag: str) -> Any:
+    """One file's rows, labels and texts as written. A csv: pandas' defaults would read "NA", "None", "null" and
+    "N/A" as missing and "01" as the number 1."""
+    if builder == "json":
+        return Records(path, flag)
+    csv = {"keep_default_na": False, "na_filter": False,
+           "converters": {cfg.label_column: str, cfg.text_column: str}} if builder == "csv" else {}
+    from datasets import load_dataset
+
+    return read(lambda: dict(load_dataset(builder, data_files={"train": path}, **csv)), flag)["train"]
+
+
+def read_split(cfg: ProbeConfig, split: Literal["train", "test"]) -> tuple[list[str], list[str], str, str | None]:
+    """(texts, labels, where, note) of one split, every column and value checked; labels are strings as written.
+    Rows without a label or without text are left out, and `note` says which (None: none were)."""
     if cfg.dataset_name is not None:
         if cfg.train_file or cfg.test_file:
             raise BadInput("give either --dataset_name or --train_file and --test_file, not both")
@@ -147,24 +200,37 @@ def read_split(cfg: ProbeConfig, split: Literal["train", "test"]) -> tuple[list[
                            "parquet), or --dataset_name")
         flag = where = f"--{split}_file {path}"
         builder = _builder_for(path, f"--{split}_file")  # a missing or empty file is named here
-        ds = read(lambda: _load(builder, None, {"train": path}, False, flag), flag)["train"]
+        ds = load_file(builder, path, cfg, flag)
     check_columns(ds.column_names, cfg.text_column, where)
     if cfg.label_column not in ds.column_names:
         raise BadInput(f"{where}: no label column {cfg.label_column!r}; columns found: {', '.join(ds.column_names)}. "
                        "Pass --label_column with one of them.")
     if len(ds) == 0:
         raise BadInput(f"{where}: holds no rows")
-    labels = ds[cfg.label_column]
-    missing = sum(label is None for label in labels)
-    if missing:
-        raise BadInput(f"{where}: {missing} of {len(labels)} rows have no {cfg.label_column!r}; label them or drop "
-                       "them")
-    if not all(isinstance(label, str | int | float) for label in labels):
-        kind = next(type(label).__name__ for label in labels if not isinstance(label, str | int | float))
-        raise BadInput(f"{where}: column {cfg.label_column!r} holds {kind} values; the probe takes one class label "
-                       "(a string or an integer) per text")
+    raw = ds[cfg.label_column]
+    odd = [label for label in raw if label is not None and not isinstance(label, str | int | float)]
+    if odd:
+        raise BadInput(f"{where}: column {cfg.label_column!r} holds {type(odd[0]).__name__} values; the probe takes "
+                       "one class label (a string or an integer) per text")
+    labels = [as_written(label) for label in raw]
     texts = ["" if text is None else str(text) for text in ds[cfg.text_column]]
-    return texts, labels, where
+    unlabeled = [row for row, label in enumerate(labels, 1) if label is None]
+    empty = [row for row, text in enumerate(texts, 1) if not text.strip() and labels[row - 1] is not None]
+    if len(unlabeled) + len(empty) == len(labels):
+        raise BadInput(f"{where}: none of its {len(labels)} rows has both a {cfg.label_column!r} and a text")
+    note = None
+    if unlabeled or empty:
+        def rows(numbers: list[int]) -> str:
+            shown = ", ".join(map(str, numbers[:SHOWN]))
+            return ("row " if len(numbers) == 1 else "rows ") + shown + (
+                f" and {len(numbers) - SHOWN} more" if len(numbers) > SHOWN else "")
+        note = (f"{where}: {len(unlabeled) + len(empty)} of {len(labels)} rows left out"
+                + (f"; {len(unlabeled)} without a {cfg.label_column!r} ({rows(unlabeled)})" if unlabeled else "")
+                + (f"; {len(empty)} with an empty text ({rows(empty)})" if empty else "")
+                + " (rows numbered from 1, a csv's header not counted)")
+        kept = [row for row, (label, text) in enumerate(zip(labels, texts, strict=True)) if label and text.strip()]
+        labels, texts = [labels[row] for row in kept], [texts[row] for row in kept]
+    return texts, labels, where, note
 
 
 def read(load: Any, flag: str) -> dict:
@@ -180,6 +246,8 @@ def read(load: Any, flag: str) -> dict:
             raise BadInput(f"{flag}: holds no rows") from err
         raise
     except Exception as err:  # noqa: BLE001 - the csv, json and parquet readers each raise their own types
+        if "corresponds to no data" in str(err):
+            raise BadInput(f"{flag}: holds no rows") from err
         raise BadInput(f"{flag}: cannot be read ({type(err).__name__}: {str(err)[:300]})") from err
     finally:
         if not quiet:
@@ -188,8 +256,8 @@ def read(load: Any, flag: str) -> dict:
 
 def load_probe_data(cfg: ProbeConfig) -> ProbeData:
     """Both splits, read and checked; every problem a one-line BadInput. No model is loaded."""
-    train_texts, train_labels, train_where = read_split(cfg, "train")
-    test_texts, test_labels, test_where = read_split(cfg, "test")
+    train_texts, train_labels, train_where, train_note = read_split(cfg, "train")
+    test_texts, test_labels, test_where, test_note = read_split(cfg, "test")
     counts: dict[Any, int] = {}
     for label in train_labels:
         counts[label] = counts.get(label, 0) + 1
@@ -201,7 +269,7 @@ def load_probe_data(cfg: ProbeConfig) -> ProbeData:
     if len(counts) == 1:
         raise BadInput(f"{train_where}: every row has the label {next(iter(counts))!r}: a classifier needs at "
                        f"least two labels; check --label_column {cfg.label_column!r}")
-    classes = sorted(counts, key=lambda v: (type(v).__name__, v))
+    classes = sorted(counts)
     number = {label: k for k, label in enumerate(classes)}
     unseen = sorted({label for label in test_labels if label not in number}, key=repr)
     if unseen:
@@ -211,7 +279,8 @@ def load_probe_data(cfg: ProbeConfig) -> ProbeData:
                        f"{' ...' if len(classes) > SHOWN else ''}. A classifier cannot predict a class it never saw: "
                        "add examples of them to the training set or drop them from the test set.")
     return ProbeData(train_texts, np.array([number[v] for v in train_labels], dtype=np.int64),
-                     test_texts, np.array([number[v] for v in test_labels], dtype=np.int64), classes)
+                     test_texts, np.array([number[v] for v in test_labels], dtype=np.int64), classes,
+                     [note for note in (train_note, test_note) if note])
 
 
 def check_probe_data(cfg: ProbeConfig) -> None:
@@ -341,6 +410,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg, positional = parser.parse_args_into_dataclasses(args=argv)
         data = load_probe_data(cfg)  # every data problem is found before any model is loaded
+        for note in data.notes:
+            say(f"{PROG}: warning: {note}")
         device = default_device()
         results = {name: probe(name, None, cfg, device, data) for name in positional.models}
     except BadInput as err:

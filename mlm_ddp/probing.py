@@ -203,6 +203,9 @@ def before_training(cfg: Config, accelerator: Accelerator, wait: MainProcessWait
     otherwise measures them again. `log`: the RunLog; `beat`: the heartbeat's."""
     if not cfg.run.probing():
         return None
+    if accelerator.is_main_process:  # the rows the probe leaves out (no label, no text), said once
+        for note in load_probe_data(probe_config(cfg.run)).notes:
+            logger.warning("probe: %s", note)
     earlier = None
     if resumed and accelerator.is_main_process:
         earlier = earlier_before([metrics.parent for metrics in log.origins()], settings(probe_config(cfg.run)))
