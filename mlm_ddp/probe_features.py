@@ -200,18 +200,36 @@ def finetune_source(model: str | PreTrainedModel, tokenizer: Any, scratch: Path)
     return str(scratch), tokenizer, model.config
 
 
+def fresh_head(model: PreTrainedModel, seed: int) -> None:
+    """Draw the classifier's head anew from `seed`, the same for every model of one architecture: a BERT pooler
+    (inside the base model) and every module outside the base model. A masked LM's final/ has no pooler while
+    its source may have a trained one: loaded as they are, two models with the same encoder would start from
+    different heads, and their scores would differ for that alone."""
+    torch.manual_seed(seed)
+    base = model.base_model
+    pooler = getattr(base, "pooler", None)
+    head = ([pooler] if pooler is not None else []) + [module for module in model.children() if module is not base]
+    for part in head:
+        for module in part.modules():  # transformers 5 skips what it loaded unless told it is not initialised
+            module._is_hf_initialized = False
+            for param in module.parameters(recurse=False):
+                param._is_hf_initialized = False
+        part.apply(model._init_weights)
+
+
 def finetune(source: str, tokenizer: Any, texts: list[str], labels: np.ndarray, n_labels: int,
              test_texts: list[str], recipe: FinetuneRecipe, seed: int, device: torch.device) -> tuple[np.ndarray, list]:
     """Fine-tune a fresh sequence classifier from the folder `source` on (texts, labels); (test predictions, mean
     training loss of each epoch)."""
-    torch.manual_seed(seed)  # the head's initialisation, the dropout (probe() forks the random state)
     try:
         with _quiet_transformers():  # the head is new by design: no warning about it
             model = AutoModelForSequenceClassification.from_pretrained(source, num_labels=n_labels,
-                                                                       **load_kwargs(False)).to(device)
+                                                                       **load_kwargs(False))
     except (OSError, ValueError) as err:
         raise BadInput(f"model {source!r} could not be loaded as a sequence classifier ({type(err).__name__}: "
                        f"{str(err).strip()[:300]})") from err
+    fresh_head(model, seed)  # then the dropout draws follow from the seed (probe() forks the random state)
+    model = model.to(device)
     no_decay = ("bias", "LayerNorm.weight", "layer_norm.weight", "norm.weight")
     params = list(model.named_parameters())
     optimizer = torch.optim.AdamW([

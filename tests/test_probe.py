@@ -416,3 +416,21 @@ def test_labels_are_read_as_written_and_unusable_rows_are_named(tmp_path: Path, 
     args = [str(tmp_path / "no-model"), "--train_file", str(jsonl), "--test_file", str(jsonl)]
     main(args)  # the model does not load; the warning came first
     assert "mlm_ddp.probe: warning: --train_file" in capsys.readouterr().err
+
+
+def test_finetune_gives_both_models_the_same_head(tiny_model: Path, tiny_fresh_head: Path, task: dict,
+                                                  tmp_path: Path) -> None:
+    """Issue 45, finding 2: a source with a trained pooler and a final/ without one (a masked LM's), with the same
+    encoder, fine-tune alike: the head (pooler and classifier) is drawn from the seed for both."""
+    from transformers import AutoTokenizer, BertModel
+
+    source = BertModel.from_pretrained(tiny_fresh_head)  # BertModel adds a pooler: set it as a trained one would be
+    with torch.no_grad():
+        source.pooler.dense.weight.fill_(0.05)
+    source.save_pretrained(tmp_path / "source")
+    AutoTokenizer.from_pretrained(tiny_model).save_pretrained(tmp_path / "source")
+    cfg = ProbeConfig(train_file=str(task["train"]), test_file=str(task["test"]), mode="finetune", seeds=1,
+                      max_train_per_label=16, batch_size=16, learning_rate=3e-3, epochs=2, max_seq_length=32)
+    with_pooler, without = probe(str(tmp_path / "source"), None, cfg, CPU), probe(str(tiny_model), None, cfg, CPU)
+    assert with_pooler["epoch_loss"] == without["epoch_loss"]
+    assert with_pooler["predictions_per_seed"] == without["predictions_per_seed"]
