@@ -14,9 +14,12 @@ never trips `--ddp_timeout`. A probe that fails says why and the run goes on: th
 already saved. The files are checked in preflight (`check`), before anything is written.
 
 `--probe_every_eval` (`EveryEval`) also probes at each evaluation. The model is written as final/ is (every
-rank takes part: FSDP gathers its shards) into a folder beside final/ and probed there, so each figure is
-what the standalone probe gives for that folder; the folder of the best accuracy so far is kept as
-best_probe/, the others are removed.
+rank takes part: FSDP gathers its shards) into a folder beside final/ and probed there. Choosing on the
+test set would make the chosen model's test score a biased one, so each evaluation's probe trains on part
+of the probe's training texts and is scored on the rest (`held_out`: a seeded, stratified split); the
+folder of the best held-out accuracy so far is kept as best_probe/, the others are removed. At the end
+best_probe/ is scored on the test set once, and that figure is reported apart from the one it was chosen
+by.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from accelerate import Accelerator
 from accelerate.logging import get_logger
 
@@ -39,6 +43,7 @@ from mlm_ddp.run_folder import BEST_PROBE, RunFolder, replace_folder
 logger = get_logger(__name__)
 FIGURES = ("accuracy", "macro_f1")  # what summary.json, metrics.jsonl and the card carry of each result
 BEST_PROBE_FILE = "probe.json"  # in best_probe/: its step and figures
+HELD_OUT, SPLIT_SEED = 0.2, 0  # --probe_every_eval chooses best_probe/ on this share of the training texts
 BEFORE_FILE = "probe_before.json"  # in the run's folder: the starting model's figures, settings and predictions
 
 
@@ -64,13 +69,13 @@ def source_folder(cfg: Config) -> str | None:
 
 def score(cfg: Config, accelerator: Accelerator, wait: MainProcessWait, model: str | None,
           name: str) -> dict[str, Any] | None:
-    """The probe's figures of the model in folder `model` ('before' or 'after': `name`), on every rank;
+    """The probe's figures of the model in folder `model` (`name`: 'before training', ...), on every rank;
     None where the run has no probe, or the probe failed (said)."""
     if not cfg.run.probing() or model is None:
         return None
     figures = None
     if accelerator.is_main_process:
-        figures = score_here(cfg.run, accelerator, model, f"{name} training")
+        figures = score_here(cfg.run, accelerator, model, name)
     return wait.broadcast(figures)
 
 
@@ -89,10 +94,27 @@ def score_here(run: RunConfig, accelerator: Accelerator, model: str, name: str,
     return figures
 
 
+def held_out(data: ProbeData) -> ProbeData:
+    """The probe's training texts split in two (HELD_OUT of them held out; seeded, stratified where every label has
+    two texts): train on the rest, score on the held-out ones. best_probe/ is chosen on these, not the test set."""
+    from sklearn.model_selection import train_test_split
+
+    rows = np.arange(len(data.train_labels))
+    try:
+        fit, held = train_test_split(rows, test_size=HELD_OUT, random_state=SPLIT_SEED, stratify=data.train_labels)
+    except ValueError:  # a label with one text, or fewer held-out texts than labels: a plain seeded split
+        fit, held = train_test_split(rows, test_size=HELD_OUT, random_state=SPLIT_SEED)
+    fit, held = np.sort(fit), np.sort(held)
+    return ProbeData([data.train_texts[i] for i in fit], data.train_labels[fit], [data.train_texts[i] for i in held],
+                     data.train_labels[held], data.classes)
+
+
 def record(figures: dict[str, Any] | None, name: str, step: int) -> dict[str, Any]:
-    """A metrics.jsonl line for `figures` ({} where there are none)."""
+    """A metrics.jsonl line for `figures` ({} where there are none); an evaluation's are held-out figures."""
     if figures is None:
         return {}
+    if name == "eval":
+        return {"step": step, "probe": name, **{f"probe_heldout_{key}": figures[key] for key in FIGURES}}
     return {"step": step, "probe": name, **{f"probe_{key}": figures[key] for key in (*FIGURES, "majority_accuracy")},
             "probe_accuracy_std": figures["accuracy_std"], "probe_macro_f1_std": figures["macro_f1_std"]}
 
@@ -168,7 +190,9 @@ def line(probed: dict[str, Any] | None) -> str:
     return (f"; probe accuracy {before['accuracy']:.4f} -> {after['accuracy']:.4f}, "
             f"macro-F1 {before['macro_f1']:.4f} -> {after['macro_f1']:.4f}"
             + (f" (change: {describe_change(delta)})" if delta else " (settings differ: no change reported)")
-            + (f" (best {best['accuracy']:.4f} at step {best['step']}: {best['folder']}/)" if best else ""))
+            + (f" (best {best['folder']}/: step {best['step']}, chosen on held-out accuracy "
+               f"{best['heldout_accuracy']:.4f}" + (f"; test accuracy {best['test']['accuracy']:.4f}"
+                                                     if best.get("test") else "") + ")" if best else ""))
 
 
 def add_to_card(final: Path, probed: dict[str, Any] | None, cfg: RunConfig, is_main: bool) -> None:
@@ -177,13 +201,14 @@ def add_to_card(final: Path, probed: dict[str, Any] | None, cfg: RunConfig, is_m
     card = final / "README.md"
     if not is_main or not probed or not card.exists():
         return
-    def label(name: str, figures: dict[str, Any]) -> str:
-        return f"best (step {figures['step']}, {BEST_PROBE}/)" if name == "best" else name
-
-    rows = [f"| {label(name, f)} | {f['accuracy']:.4f} ± {f['accuracy_std']:.4f} | {f['macro_f1']:.4f} ± "
-            f"{f['macro_f1_std']:.4f} | {f['majority_accuracy']:.4f} |" for name, f in probed.items()
-            if f and name != "change"]
-    used = next(f for f in probed.values() if f)
+    best = probed.get("best") or {}
+    shown = {"before": probed.get("before"), "after": probed.get("after"),
+             f"best (step {best.get('step')}, {BEST_PROBE}/, chosen on held-out texts)": best.get("test")}
+    rows = [f"| {name} | {f['accuracy']:.4f} ± {f['accuracy_std']:.4f} | {f['macro_f1']:.4f} ± "
+            f"{f['macro_f1_std']:.4f} | {f['majority_accuracy']:.4f} |" for name, f in shown.items() if f]
+    used = next(iter(f for f in shown.values() if f), None)
+    if used is None:
+        return
     section = ("\n## Downstream probe\n\n"
                f"`python -m mlm_ddp.probe` ({used['mode']}, {used['protocol']} protocol, {used['seeds']} seeds, "
                f"{used['n_train']} of {used['n_train_available']} labeled training texts) on "
@@ -213,7 +238,7 @@ def before_training(cfg: Config, accelerator: Accelerator, wait: MainProcessWait
     if earlier is not None:
         return earlier
     beat(step, "probe")
-    figures = score(cfg, accelerator, wait, source_folder(cfg), "before")
+    figures = score(cfg, accelerator, wait, source_folder(cfg), "before training")
     if figures is not None and accelerator.is_main_process:
         write_atomic(Path(cfg.run.output_dir) / BEFORE_FILE, json.dumps(figures))
     log.write(record(figures, "before", 0), with_tokens=False)
@@ -222,17 +247,15 @@ def before_training(cfg: Config, accelerator: Accelerator, wait: MainProcessWait
 
 def after_training(cfg: Config, accelerator: Accelerator, wait: MainProcessWait, log: Any, beat: Any, step: int,
                    final: Path, before: dict[str, Any] | None, every: EveryEval) -> dict[str, Any] | None:
-    """final/'s figures, written to metrics.jsonl and the model card; summary.json's "probe". The last
-    evaluation's probe (--probe_every_eval) scored these very weights, written the same way: it is reused."""
+    """final/'s figures, written to metrics.jsonl and the model card; summary.json's "probe", with best_probe/
+    (--probe_every_eval) scored on the test set once."""
     if not cfg.run.probing():
         return None
     beat(step, "probe")
-    after = every.figures_at(step)
-    if after is None:
-        after = score(cfg, accelerator, wait, str(final), "after")
+    after = score(cfg, accelerator, wait, str(final), "after training")
     delta = compare(cfg.run, accelerator, wait, before, after)
     log.write(record(after, "after", step) | (change_record(delta) if after else {}), with_tokens=False)
-    probed = summary(before, after, every.best, delta)
+    probed = summary(before, after, every.scored_best(step, after), delta)
     add_to_card(final, probed, cfg.run, accelerator.is_main_process)
     return probed
 
@@ -240,8 +263,9 @@ def after_training(cfg: Config, accelerator: Accelerator, wait: MainProcessWait,
 class EveryEval:
     """--probe_every_eval: `at_eval(step)` after each evaluation, on every rank. The model is written into
     `.tmp-best_probe/` (every rank: FSDP gathers the shards), the main process probes that folder, and
-    keeps it as best_probe/ (with probe.json) when its accuracy beats every earlier evaluation's; a tie
-    keeps the earlier. A resumed run starts from the best its folder holds."""
+    keeps it as best_probe/ (with probe.json) when its held-out accuracy beats every earlier evaluation's; a tie
+    keeps the earlier. A resumed run starts from the best its folder holds, where it was chosen with today's
+    settings."""
 
     def __init__(self, cfg: Config, accelerator: Accelerator, wait: MainProcessWait, folder: RunFolder, model: Any,
                  tokenizer: Any, beat: Any) -> None:
@@ -249,8 +273,12 @@ class EveryEval:
         self.model, self.tokenizer, self.beat = model, tokenizer, beat
         self.on = cfg.run.probe_every_eval
         self.best: dict[str, Any] | None = read_best(folder.path / BEST_PROBE) if self.on else None
-        self.latest: tuple[int, dict[str, Any] | None] | None = None  # (step, figures) of the last probe
-        self.data: ProbeData | None = None  # the probe's files, read once (main process)
+        if self.best is not None and ("heldout_accuracy" not in self.best
+                                      or self.best.get("settings") != settings(probe_config(cfg.run))):
+            logger.warning("%s/ was chosen otherwise (on the test set, or with other probe settings): the evaluations "
+                           "from here choose anew", BEST_PROBE)
+            self.best = None
+        self.data: ProbeData | None = None  # the held-out split of the probe's training texts, read once (main)
 
     def at_eval(self, step: int) -> dict[str, Any]:
         """This evaluation's probe fields for metrics.jsonl ({} without --probe_every_eval)."""
@@ -262,20 +290,31 @@ class EveryEval:
         self.folder.write_model(self.accelerator, self.model, self.tokenizer, "", tmp)
         figures = None
         if self.accelerator.is_main_process:
-            self.data = self.data or load_probe_data(probe_config(self.cfg.run))
-            figures = score_here(self.cfg.run, self.accelerator, str(tmp), f"at step {step}", self.data)
-            if figures is not None and (self.best is None or figures["accuracy"] > self.best["accuracy"]):
-                self.best = {"step": step, **{k: figures[k] for k in KEPT if k in figures}, "folder": BEST_PROBE}
+            self.data = self.data or held_out(load_probe_data(probe_config(self.cfg.run)))
+            figures = score_here(self.cfg.run, self.accelerator, str(tmp), f"at step {step} (held-out texts)",
+                                 self.data)
+            if figures is not None and (self.best is None or figures["accuracy"] > self.best["heldout_accuracy"]):
+                self.best = {"step": step, "folder": BEST_PROBE, "heldout_accuracy": figures["accuracy"],
+                             "heldout_macro_f1": figures["macro_f1"], "n_heldout": figures["n_test"],
+                             "settings": figures["settings"]}
                 keep_best(tmp, self.folder.path / BEST_PROBE, self.best, self.cfg)
             else:
                 shutil.rmtree(tmp)
         figures, self.best = self.wait.broadcast((figures, self.best))
-        self.latest = (step, figures)
         return {} if figures is None else record(figures, "eval", step)
 
-    def figures_at(self, step: int) -> dict[str, Any] | None:
-        """The figures probed at `step`, if the last evaluation's probe was at that step."""
-        return self.latest[1] if self.latest is not None and self.latest[0] == step else None
+    def scored_best(self, step: int, after: dict[str, Any] | None) -> dict[str, Any] | None:
+        """best_probe/'s record with its test-set figures ("test"), scored once, here; at the last step its
+        weights are final/'s, whose figures `after` are."""
+        if self.best is None:
+            return None
+        folder = str(self.folder.path / BEST_PROBE)
+        test = after if self.best["step"] == step else score(self.cfg, self.accelerator, self.wait, folder,
+                                                             "of best_probe/ on the test set")
+        self.best = self.best | {"test": {k: v for k, v in test.items() if k in KEPT} if test else None}
+        if self.accelerator.is_main_process:
+            write_atomic(self.folder.path / BEST_PROBE / BEST_PROBE_FILE, json.dumps(self.best, indent=2) + "\n")
+        return self.best
 
 
 # what summary.json and best_probe/probe.json keep of a probe's figures
@@ -297,7 +336,8 @@ def keep_best(tmp: Path, best_dir: Path, best: dict[str, Any], cfg: Config) -> N
     (tmp / "README.md").write_text(
         f"# The best downstream probe of {cfg.run.output_dir}\n\n"
         f"The model at optimizer step {best['step']}: of the evaluations of `--probe_every_eval`, its probe scored "
-        f"the best accuracy, {best['accuracy']:.4f} ± {best['accuracy_std']:.4f} (macro-F1 {best['macro_f1']:.4f} ± "
-        f"{best['macro_f1_std']:.4f}; majority class {best['majority_accuracy']:.4f}). The model at the end of "
-        "training is `final/`, whose card describes the run.\n")
+        f"the best accuracy on the held-out {HELD_OUT:.0%} of the probe's training texts (seed {SPLIT_SEED}), "
+        f"{best['heldout_accuracy']:.4f} (macro-F1 {best['heldout_macro_f1']:.4f}, {best['n_heldout']} texts). "
+        f"Its figures on the test set, scored once at the end of training, are in `{BEST_PROBE_FILE}` (\"test\") and "
+        "the run's summary.json. The model at the end of training is `final/`, whose card describes the run.\n")
     replace_folder(tmp, best_dir)

@@ -25,6 +25,7 @@ from typing import Any
 import yaml
 
 from mlm_ddp.errors import BadInput
+from mlm_ddp.probe_compare import describe_change
 
 MARKER = "<!-- written by mlm_ddp.report -->"  # a page without it is never overwritten
 # settings that name or place a run rather than change what it trains
@@ -167,14 +168,19 @@ FIGURES: dict[str, tuple[Panel, ...]] = {
     "schedule.png": (Panel("learning rate", "step", ("lr",), "learning rate"),
                      Panel("training throughput", "step", ("tokens_per_s",), "tokens/s (all processes)")),
     # only where a run probed (--probe_train_file): before, at each evaluation (--probe_every_eval), after
-    "probe.png": (Panel("downstream probe accuracy against steps", "step", ("probe_accuracy",), "accuracy"),
-                  Panel("downstream probe macro-F1 against steps", "step", ("probe_macro_f1",), "macro-F1")),
+    # (the evaluations' are on held-out training texts, before and after on the test set: drawn apart)
+    "probe.png": (Panel("downstream probe accuracy against steps", "step", ("probe_accuracy", "probe_heldout_accuracy"),
+                        "accuracy"),
+                  Panel("downstream probe macro-F1 against steps", "step", ("probe_macro_f1", "probe_heldout_macro_f1"),
+                        "macro-F1")),
 }
 STYLES = {"loss": dict(linestyle="-", label="train"), "eval_loss": dict(linestyle="--", marker="o", label="eval"),
           "perplexity": dict(linestyle="--", marker="o", label="eval"), "lr": dict(linestyle="-", label="lr"),
           "tokens_per_s": dict(linestyle="-", marker=".", label="tokens/s"),
           "probe_accuracy": dict(linestyle="--", marker="s", label="probe"),
-          "probe_macro_f1": dict(linestyle="--", marker="s", label="probe")}
+          "probe_macro_f1": dict(linestyle="--", marker="s", label="probe"),
+          "probe_heldout_accuracy": dict(linestyle=":", marker="^", label="probe, held-out"),
+          "probe_heldout_macro_f1": dict(linestyle=":", marker="^", label="probe, held-out")}
 X_LABELS = {"step": "optimizer step", "tokens_seen": "tokens trained on"}
 
 
@@ -276,6 +282,9 @@ def facts(run: Run) -> dict[str, str]:
         # before training -> on final/ (probing.py), beside perplexity: did the adaptation help the task?
         "downstream probe accuracy": first_last("probe_accuracy", "{:.4f}".format),
         "downstream probe macro-F1": first_last("probe_macro_f1", "{:.4f}".format),
+        # after - before, paired, with its 95% interval ("no measurable change" where it holds 0)
+        "downstream probe change": (describe_change(delta) if (delta := ((run.summary or {}).get("probe") or {})
+                                                               .get("change")) else "-"),
         "loss spikes": (", ".join(f"{count} {kind.replace('_', ' ')}" for kind, count in spikes.items())
                         if (spikes := (run.summary or {}).get("loss_spikes")) else "-"),
     }
@@ -291,7 +300,7 @@ def summary_text(runs: Sequence[Run], labels: Sequence[str]) -> str:
                      f"perplexity {f['perplexity']} (best {f['best perplexity']}), accuracy {f['eval accuracy']}")
         if f["downstream probe accuracy"] != "-":
             lines.append(f"  downstream probe accuracy {f['downstream probe accuracy']}, macro-F1 "
-                         f"{f['downstream probe macro-F1']}")
+                         f"{f['downstream probe macro-F1']}; change {f['downstream probe change']}")
     if unlike := unlike_masking(runs):
         lines.append(unlike)
     return "\n".join(lines)
@@ -321,7 +330,7 @@ def table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
 def page(runs: Sequence[Run], labels: Sequence[str], flags: Sequence[str], images: Sequence[str]) -> str:
     columns = ["status", "steps", "tokens", "tokens/s", "wall time", "train loss", "eval masked", "eval loss",
                "perplexity", "best perplexity", "eval accuracy", "downstream probe accuracy",
-               "downstream probe macro-F1"]
+               "downstream probe macro-F1", "downstream probe change"]
     parts = [f"<!DOCTYPE html>\n{MARKER}\n<html><head><meta charset='utf-8'><title>mlm_ddp report: "
              f"{html.escape(', '.join(r.name for r in runs))}</title><style>{CSS}</style></head><body>",
              "<h1>mlm_ddp run report</h1>",

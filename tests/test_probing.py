@@ -12,11 +12,13 @@ import logging
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from mlm_ddp.config import parse_args
 from mlm_ddp.errors import BadInput
-from mlm_ddp.probe import ProbeConfig, probe
+from mlm_ddp.probe import ProbeConfig, load_probe_data, probe
+from mlm_ddp.probing import held_out
 from mlm_ddp.train import main, train
 from tests.conftest import CONFIGS, LAUNCH, free_port, read_metrics, run_module, tiny_args
 from tests.test_eval_masking import fresh_accelerate_state
@@ -70,14 +72,14 @@ def test_metrics_card_and_report_carry_both(probed_run: Path) -> None:
     lines = [r for r in read_metrics(probed_run) if "probe" in r]
     assert [(r["probe"], r["step"]) for r in lines] == [("before", 0), ("eval", STEPS // 2), ("eval", STEPS),
                                                          ("after", STEPS)]
-    # the last evaluation probed final/'s very weights: "after" reuses its figures
-    assert {k: v for k, v in lines[2].items() if k.startswith("probe_")} == {
-        k: v for k, v in lines[3].items() if k.startswith("probe_") and not k.startswith("probe_change_")}
-    assert all(0 <= r["probe_accuracy"] <= 1 and 0 <= r["probe_macro_f1"] <= 1 for r in lines)
+    # an evaluation's probe is scored on held-out training texts, never on the test set (issue 45, finding 7)
+    assert all("probe_accuracy" not in r and 0 <= r["probe_heldout_accuracy"] <= 1 for r in lines[1:3])
+    assert all(0 <= r["probe_accuracy"] <= 1 and 0 <= r["probe_macro_f1"] <= 1 for r in (lines[0], lines[3]))
     card = (probed_run / "final" / "README.md").read_text()
     assert "## Downstream probe" in card and "| before |" in card and "| after |" in card and "| best (step " in card
     report = (probed_run / "report.html").read_text() if (probed_run / "report.html").exists() else ""
     assert "downstream probe" in report.lower() and "probe.png" in report  # the curve over evaluations
+    assert "measurable change" in report and "measurable change" in card  # the paired change, with its interval
 
 
 def test_the_closing_line_names_the_probe(tiny_model: Path, corpus: dict, probe_files: dict, tmp_path: Path,
@@ -116,14 +118,22 @@ def test_two_processes_finish_with_the_probe(tiny_model: Path, corpus: dict, pro
 
 
 def test_every_eval_keeps_the_best_probe(probed_run: Path, probe_files: dict) -> None:
+    """Issue 45, finding 7: best_probe/ is chosen on a seeded held-out split of the probe's training texts, and
+    scored on the test set once, reported apart."""
     evals = [r for r in read_metrics(probed_run) if r.get("probe") == "eval"]
-    best = max(evals, key=lambda r: r["probe_accuracy"])  # the first of equals: a tie keeps the earlier
+    best = max(evals, key=lambda r: r["probe_heldout_accuracy"])  # the first of equals: a tie keeps the earlier
     kept = json.loads((probed_run / "best_probe" / "probe.json").read_text())
-    assert kept["step"] == best["step"] and kept["accuracy"] == best["probe_accuracy"]
+    assert kept["step"] == best["step"] and kept["heldout_accuracy"] == best["probe_heldout_accuracy"]
     assert json.loads((probed_run / "summary.json").read_text())["probe"]["best"] == kept
-    again = probe(probed_run / "best_probe", None, ProbeConfig(train_file=str(probe_files["train"]),
-                                                               test_file=str(probe_files["test"]), seeds=3))
-    assert again["accuracy"] == kept["accuracy"] and again["macro_f1"] == kept["macro_f1"]
+    cfg = ProbeConfig(train_file=str(probe_files["train"]), test_file=str(probe_files["test"]), seeds=3)
+    split = held_out(load_probe_data(cfg))
+    assert len(split.test_texts) == 16 and len(split.train_texts) == 64  # 20% of 80, both labels alike
+    assert np.bincount(split.test_labels).tolist() == [8, 8]
+    assert set(split.test_texts) <= set(load_probe_data(cfg).train_texts)  # training texts, not test texts
+    chosen = probe(probed_run / "best_probe", None, cfg, data=split)
+    assert chosen["accuracy"] == kept["heldout_accuracy"] and chosen["n_test"] == kept["n_heldout"] == 16
+    again = probe(probed_run / "best_probe", None, cfg)
+    assert again["accuracy"] == kept["test"]["accuracy"] and again["macro_f1"] == kept["test"]["macro_f1"]
     assert not list(probed_run.glob(".tmp-*")) and not list(probed_run.glob(".old-*"))
 
 
