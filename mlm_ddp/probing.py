@@ -36,6 +36,7 @@ from accelerate.logging import get_logger
 from mlm_ddp.collectives import MainProcessWait
 from mlm_ddp.config import Config, RunConfig
 from mlm_ddp.durable import write_atomic
+from mlm_ddp.errors import BadInput
 from mlm_ddp.probe import ProbeConfig, ProbeData, check_probe_data, load_probe_data, probe
 from mlm_ddp.probe_compare import change, describe_change, differences, settings
 from mlm_ddp.run_folder import BEST_PROBE, RunFolder, replace_folder
@@ -54,10 +55,23 @@ def probe_config(run: RunConfig) -> ProbeConfig:
                        seeds=run.probe_seeds)
 
 
-def check(run: RunConfig) -> None:
-    """Preflight: the probe's files hold a task it can score (BadInput otherwise)."""
-    if run.probing():
-        check_probe_data(probe_config(run))
+def check(cfg: Config) -> None:
+    """Preflight: the probe's files hold a task it can score, and 'before' can be the model training starts from
+    (BadInput otherwise)."""
+    from mlm_ddp.model import from_scratch
+
+    if not cfg.run.probing():
+        return
+    check_probe_data(probe_config(cfg.run))
+    model = cfg.model
+    changed = [flag for flag, on in (("--config_name", model.config_name is not None),
+                                     ("--config_overrides", bool(model.config_overrides)),
+                                     ("--tokenizer_name", model.tokenizer_name not in (None, model.model_name_or_path)),
+                                     ("--trust_remote_code", model.trust_remote_code)) if on]
+    if changed and not from_scratch(model):
+        raise BadInput(f"--probe_train_file with {', '.join(changed)}: the probe's 'before' reads the starting "
+                       "checkpoint's folder, which is not the model training starts from with these; drop them, "
+                       "or drop the probe flags and probe the two models with python -m mlm_ddp.probe")
 
 
 def source_folder(cfg: Config) -> str | None:

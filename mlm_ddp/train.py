@@ -112,7 +112,7 @@ def preflight(cfg: Config) -> Checked:
     collectives.check_fsdp_plugin(fsdp_plugin, cuda=bool(topo.cuda_devices))
     chosen = precision.choose_precision(cfg.training.mixed_precision, precision.launcher_precision(),
                                         precision.hardware(topo))
-    probing.check(cfg.run)
+    probing.check(cfg)
     folder = RunFolder(cfg)
     start = folder.plan(topo.world_size, sharded=fsdp_plugin is not None,
                         stream_bytes=functools.partial(stream_bytes, cfg))

@@ -168,3 +168,14 @@ def test_a_resume_with_other_probe_settings_measures_before_again(tiny_model: Pa
     assert summary["before"]["accuracy"] == standalone["accuracy"]
     # the first attempt's lines, then the resume's: before measured again
     assert [r["probe"] for r in read_metrics(resumed) if "probe" in r] == ["before", "after", "before", "after"]
+
+
+@pytest.mark.parametrize("flags", [["--config_overrides", "hidden_dropout_prob=0"], ["--trust_remote_code"]])
+def test_before_must_be_the_model_training_starts_from(tiny_model: Path, corpus: dict, probe_files: dict,
+                                                       tmp_path: Path, flags: list[str]) -> None:
+    """Issue 45, finding 8: 'before' reads the starting checkpoint's folder; where the flags make training start
+    from another model, the combination is refused in one line before anything is written."""
+    out = tmp_path / "run"
+    with pytest.raises(BadInput, match=f"--probe_train_file with {flags[0]}: the probe's 'before' reads"):
+        train(parse_args(probed_args(tiny_model, corpus, out, probe_files, *flags)))
+    assert not out.exists()
