@@ -33,7 +33,7 @@ from accelerate import Accelerator
 from transformers import AutoModelForMaskedLM, DataCollatorForLanguageModeling, HfArgumentParser
 
 from mlm_ddp import data as mdata
-from mlm_ddp import distributed, heartbeat, precision, watchdog
+from mlm_ddp import distributed, heartbeat, precision, watchdog_cost
 from mlm_ddp.config import ModelConfig, _doc, from_dict
 from mlm_ddp.errors import BadInput
 from mlm_ddp.masking import EVAL_SPLIT, IGNORE_INDEX, TRAIN_SPLIT, MaskingCollator
@@ -80,8 +80,8 @@ class BenchConfig:
     optimizer_impl: Literal["fused", "foreach", "for-loop"] = _doc("(b)'s --optimizer_impl.", default="fused")
     profile: bool = _doc("Print a torch.profiler table of (b)'s top operations after the timing.", default=False)
     watchdog_cost: list[int] | None = _doc(
-        "Instead of the recipes: the hang watchdog's traffic to the process group's store per rank, healthy and "
-        "in a hang, at these numbers of simulated ranks (e.g. 8 512), on a real TCPStore.", default=None)
+        "Instead of the recipes: the hang watchdog's work at the process group's store per tick, healthy and in a "
+        "hang, at these numbers of simulated ranks (e.g. 512 4096 16384), on a real TCPStore.", default=None)
 
     def __post_init__(self) -> None:
         for name in ("steps", "repeats", "seq", "batch", "eval_blocks"):
@@ -367,21 +367,12 @@ def format_table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def format_watchdog_cost(rows: list[dict[str, Any]]) -> str:
-    lines = ["| ranks | healthy: store ops/s per rank | bytes/s per rank | hang: reads per rank | ops per rank | "
-             "bytes per rank | named after |", "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
-    lines += [f"| {r['ranks']} | {r['healthy_ops_per_s']:.2f} | {r['healthy_bytes_per_s']:.0f} | "
-              f"{r['hang_reads_per_rank']:.0f} | {r['hang_ops_per_rank']:.0f} | {r['hang_bytes_per_rank']:.0f} | "
-              f"{r['hang_s']:.0f} s of a 120 s timeout |" for r in rows]
-    return "\n".join(lines)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = HfArgumentParser(BenchConfig, prog="mlm_ddp.bench", description=__doc__.split("\n")[0])
     (cfg,) = parser.parse_args_into_dataclasses(args=argv)
     if cfg.watchdog_cost:
-        rows = watchdog.cost(cfg.watchdog_cost)
-        print(format_watchdog_cost(rows))
+        rows = watchdog_cost.cost(cfg.watchdog_cost)
+        print(watchdog_cost.format_rows(rows))
         print(json.dumps({"bench": "watchdog", "rows": rows}))
         return 0
     try:

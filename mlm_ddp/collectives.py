@@ -8,9 +8,12 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
+from mlm_ddp import flight
 from mlm_ddp.distributed import Topology, check_accelerator, export_for_accelerate
 from mlm_ddp.precision import agree_precision, fsdp2_policy
 
@@ -132,6 +135,13 @@ class MainProcessWait:
 
             torch.distributed.barrier(group=self.group)
 
+    def set_timeout(self, timeout_s: int) -> None:
+        """The timeout of this group's later collectives."""
+        if self.group is not None:
+            from torch.distributed import distributed_c10d
+
+            distributed_c10d._set_pg_timeout(timedelta(seconds=timeout_s), self.group)
+
     def close(self) -> None:
         if self.group is not None:
             import torch
@@ -170,22 +180,36 @@ class MainProcessWait:
         return votes.item() > 0
 
 
-def start_accelerator(topo: Topology, fsdp_plugin: Any, training: Any, precision: tuple[str, str], ddp_timeout: int,
-                      rendezvous_timeout: int, trackers: list[str], project_dir: str) -> tuple[Any, tuple[str, str]]:
+@dataclass
+class Started:
+    """What `start_accelerator` made: the Accelerator, the job's precision, the long-timeout group in which
+    ranks wait for the main process, and this attempt's scope of the store (`join_process_group`)."""
+
+    accelerator: Any
+    precision: tuple[str, str]
+    wait: MainProcessWait
+    scope: str  # "mlm_ddp/attempt-N/": the process group's store, and every key in it, are under this prefix
+
+
+def start_accelerator(topo: Topology, fsdp_plugin: Any, training: Any, precision: tuple[str, str],
+                      timeouts: Timeouts, trackers: list[str], output_dir: Path) -> Started:
     """The Accelerator of this process (the process group forms here), with the training settings of
     the mlm_ddp config whatever the launcher, and the job's precision: rank 0's choice (`choose_precision`'s
-    on each rank), agreed before the Accelerator is made (`agree_precision`). Returns both."""
+    on each rank), agreed before the Accelerator is made (`agree_precision`). torch's Flight Recorder
+    records the collectives of every group formed here, and dumps into `output_dir` (flight.py)."""
     from accelerate import Accelerator
     from accelerate.logging import get_logger
     from accelerate.utils import GradientAccumulationPlugin, InitProcessGroupKwargs
 
     logger = get_logger(__name__)
     export_for_accelerate(topo)
+    flight.configure(os.environ, output_dir)
+    wait, scope = MainProcessWait(1, timeouts.save), f"{KEY_ROOT}attempt-0/"
     if topo.distributed:
-        # the process group first, as the Accelerator below would form it (it takes this one over): its
-        # store carries every rank's precision before the Accelerator fixes one
-        join_process_group(topo, rendezvous_timeout, ddp_timeout)
-        precision = agree_precision(precision, topo)
+        # the process group first, as the Accelerator below would form it (it takes this one over), and the
+        # start-up group, over which every rank's precision is gathered before the Accelerator fixes one
+        wait, scope = join_process_group(topo, timeouts)
+        precision = agree_precision(precision, topo.rank, wait.gather)
     if fsdp_plugin is not None and fsdp_plugin.fsdp_version == 2:
         fsdp_plugin.mixed_precision_policy = fsdp2_policy(precision[0])  # accelerate keeps a policy it is given
     accelerator = Accelerator(
@@ -195,47 +219,66 @@ def start_accelerator(topo: Topology, fsdp_plugin: Any, training: Any, precision
         gradient_accumulation_plugin=GradientAccumulationPlugin(
             num_steps=training.gradient_accumulation_steps, sync_with_dataloader=False),
         # fail fast: when a process dies, the others stop within this time instead of hanging
-        kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=ddp_timeout))],
+        kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=timeouts.ddp))],
         log_with=trackers or None,
-        project_dir=project_dir,
+        project_dir=str(output_dir / "logs"),  # TensorBoard writes into logs/<TRACKING_PROJECT>/
     )
     if keep_fsdp_on_cpu(accelerator, fsdp_plugin):
         logger.info("FSDP on CPU processes: the accelerate config asks for FSDP, which accelerate would run as "
                     "DDP on a CPU; mlm_ddp keeps its FSDP2 plugin (gloo)")
     check_accelerator(topo, accelerator.num_processes, str(accelerator.distributed_type))
-    return accelerator, precision
+    return Started(accelerator, precision, wait, scope)
 
 
-# store keys of the start-up barrier (the default group's store: per attempt under torchrun's agent)
-ARRIVED, ALL_ARRIVED = "mlm_ddp/arrived", "mlm_ddp/all_arrived"
+@dataclass(frozen=True)
+class Timeouts:
+    """The seconds the process group's waits may take (the config's --ddp_timeout, --save_timeout,
+    --rendezvous_timeout)."""
+
+    ddp: int
+    save: int
+    rendezvous: int
 
 
-def join_process_group(topo: Topology, rendezvous_timeout: int, ddp_timeout: int) -> None:
-    """Form the process group (accelerate's PartialState, which the Accelerator takes over) and return once
-    every process has joined it, waiting up to --rendezvous_timeout (or --ddp_timeout where longer); then
-    set its collectives and its store to --ddp_timeout. Each process loads and checks its inputs before it
-    joins (preflight), and a node that imports from a slow shared filesystem or converts a large raw corpus
-    to Arrow arrives minutes after the others: with --ddp_timeout (120 s) the first ones gave up and the
-    job died as if a process had. NCCL forms its communicator at the first collective and torchrun's agent
-    store waits for no worker, so a count in the store is the barrier every backend and launcher shares."""
+KEY_ROOT = "mlm_ddp/"  # every key mlm_ddp puts in a store starts with it, then the attempt's id
+
+
+def join_process_group(topo: Topology, timeouts: Timeouts) -> tuple[MainProcessWait, str]:
+    """Form the process group (accelerate's PartialState takes it over) on a store scoped to this attempt,
+    and return once every process has joined it, waiting up to --rendezvous_timeout (or --ddp_timeout where
+    longer); then set its collectives and its store to --ddp_timeout. Returns the gloo group of the waits on
+    the main process (with --save_timeout from then on) and the attempt's scope.
+
+    torchrun's agent keeps one store for every restart attempt, with no prefix, and torch names the gloo
+    groups the same in every attempt (a count): a group formed in attempt 1 read attempt 0's addresses
+    and failed ("Connection refused"), and a key of ours found attempt 0's value. So the whole process
+    group, every group made from it and every key of ours live under `mlm_ddp/attempt-N/`
+    (TORCHELASTIC_RESTART_COUNT; 0 under srun and Submitit, whose store is new for every job step).
+
+    Each process loads and checks its inputs before it joins (preflight), and a node that imports from a
+    slow shared filesystem arrives minutes after the others: forming the gloo group is the barrier (each
+    rank connects to every other, NCCL jobs too), with that patient timeout."""
     import torch.distributed as dist
     from accelerate import PartialState
     from torch.distributed import distributed_c10d
 
     # never shorter than before this flag existed: a user who raised --ddp_timeout for a slow start keeps it
-    waited = max(rendezvous_timeout, ddp_timeout)
+    waited = max(timeouts.rendezvous, timeouts.ddp)
     patient = timedelta(seconds=waited)
+    scope = f"{KEY_ROOT}attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
     try:
+        store, rank, world = next(dist.rendezvous("env://", topo.rank, topo.world_size, timeout=patient))
+        dist.init_process_group("nccl" if topo.cuda_devices else "gloo", store=dist.PrefixStore(scope, store),
+                                rank=rank, world_size=world, timeout=patient)
         PartialState(cpu=not topo.cuda_devices, timeout=patient)
-        store = distributed_c10d._get_default_store()
-        if store.add(ARRIVED, 1) == topo.world_size:
-            store.set(ALL_ARRIVED, "1")
-        store.wait([ALL_ARRIVED], patient)
-    except dist.DistError as err:
+        wait = MainProcessWait(topo.world_size, waited)
+    except (dist.DistError, RuntimeError) as err:
         raise dist.DistError(f"not every process joined within {waited} s (--rendezvous_timeout, or --ddp_timeout "
                              f"where longer): {type(err).__name__}: {str(err).strip()[:200]}") from err
-    store.set_timeout(timedelta(seconds=ddp_timeout))
-    distributed_c10d._set_pg_timeout(timedelta(seconds=ddp_timeout))
+    wait.set_timeout(timeouts.save)
+    distributed_c10d._get_default_store().set_timeout(timedelta(seconds=timeouts.ddp))
+    distributed_c10d._set_pg_timeout(timedelta(seconds=timeouts.ddp))
+    return wait, scope
 
 
 def sharded(accelerator: Any) -> bool:

@@ -32,13 +32,13 @@ def fsync_tree(root: Path, only: Callable[[Path], bool] | None = None) -> None:
     fsync_dir(root)
 
 
-def write_atomic(path: Path, text: str, shared: bool = False) -> None:
+def write_atomic(path: Path, text: str | bytes, shared: bool = False) -> None:
     """Write `text` to `path` through a temporary file and a rename: a crash leaves the old file or
-    the new one, never a torn one (a torn summary.json would make `auto` think a run finished).
+    the new one (text or bytes), never a torn one (a torn summary.json would make `auto` think a run finished).
     `shared`: several processes may write the same file at once (the same text), each through a
     temporary file of its own, which no other can replace under it."""
     tmp = path.with_name(f".tmp-{path.name}" + (f".{socket.gethostname()}.{os.getpid()}" if shared else ""))
-    with open(tmp, "w") as handle:
+    with open(tmp, "wb" if isinstance(text, bytes) else "w") as handle:
         handle.write(text)
         handle.flush()
         os.fsync(handle.fileno())

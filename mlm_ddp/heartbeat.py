@@ -10,7 +10,7 @@ watchdog (watchdog.py), which judges the peers from the process group's store, n
 
 After a run, `python -m mlm_ddp.distributed --diagnose OUTPUT_DIR` names the rank whose progress
 stopped first (`diagnose`): the hang a watchdog named, if one did; else, from the files alone, the
-rank frozen, else the one with the fewest beats, else the one that beat first.
+rank with the fewest beats (no two hosts' clocks are compared); and the Flight Recorder's account.
 """
 
 from __future__ import annotations
@@ -20,8 +20,9 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -106,7 +107,7 @@ class Heartbeat:
         self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         now = time.time()
         self.last = Beat(self.rank, self.world, socket.gethostname(), os.getpid(), 0, "start", None, now, 0, now)
-        self.entered = time.monotonic()
+        self.current = (self.last, time.monotonic())  # the last beat and when it was made (monotonic)
         self._write()
         self._publish()  # peers see this rank from its start on, not one alive tick later
         self._thread = threading.Thread(target=self._keep_alive, name="mlm_ddp-heartbeat", daemon=True)
@@ -119,7 +120,7 @@ class Heartbeat:
         with self._lock:
             self.last = Beat(self.last.rank, self.last.world, self.last.host, self.last.pid, step, phase, collective,
                              now, self.last.seq + 1, now)
-            self.entered = time.monotonic()
+            self.current = (self.last, time.monotonic())  # one assignment: the alive thread reads both at once
             self._write()
         if phase == "done":
             self._publish()  # at once: a finished rank must never look frozen to those still working
@@ -132,6 +133,22 @@ class Heartbeat:
         before `start`."""
         if self._fd is not None:
             self.beat(self.last.step, self.last.phase, collective)
+
+    def returned(self) -> None:
+        """The collective named last has returned: this rank works in its phase again (no beat: the count
+        of beats stays the same on every rank). Without this, its wait would seem to go on."""
+        if self._fd is not None and self.last.collective is not None:
+            with self._lock:
+                self.last = replace(self.last, collective=None)
+                self.current = (self.last, self.current[1])
+                self._write()
+
+    @contextmanager
+    def collective(self, name: str) -> Iterator[None]:
+        """`entering(name)` for the block, `returned()` after it."""
+        self.entering(name)
+        yield
+        self.returned()
 
     def _write(self) -> None:
         text = json.dumps(asdict(self.last))
@@ -147,25 +164,37 @@ class Heartbeat:
         try:
             self.watch.publish(self.last)
         except Exception as err:  # noqa: BLE001 - a store that is gone must not end the rank
-            self._say_once("watch", f"the hang watchdog cannot reach the process group's store ({err})")
+            self._say_once("watch", self._watch_failed(err))
 
     def _keep_alive(self) -> None:
-        """Every ALIVE_EVERY_S: `alive` in the file, and the watchdog's tick. Nothing it meets ends it,
-        but the watchdog's own verdict (which ends the process)."""
+        """Every ALIVE_EVERY_S: the watchdog's tick, then `alive` in the file. The tick never waits for the
+        file: a write stuck on a network filesystem (under the lock, in the main thread or here) must not
+        stop this rank's publications, or its peers would call it frozen. Nothing it meets ends it, but the
+        watchdog's own verdict (which ends the process)."""
         while not self._closed.wait(ALIVE_EVERY_S):
-            with self._lock:
-                if self._closed.is_set():
-                    return
-                self.last.alive = time.time()
-                self._write()
-                mine, entered = self.last, self.entered
-            if self.watch is None:
-                continue
-            try:
-                self.watch.tick(mine, entered)
-            except Exception as err:  # noqa: BLE001 - e.g. the store's host is gone: the backend reports it
-                self._say_once("watch", f"the hang watchdog cannot reach the process group's store ({err}); it "
-                                        "keeps trying")
+            mine, entered = self.current
+            if self.watch is not None:
+                try:
+                    self.watch.tick(mine, entered)
+                except Exception as err:  # noqa: BLE001 - e.g. the store's host is gone: the backend reports it
+                    self._say_once("watch", self._watch_failed(err) + "; it keeps trying")
+            if self._lock.acquire(blocking=False):  # busy: the main thread is writing a newer beat anyway
+                try:
+                    if not self._closed.is_set():
+                        self.last.alive = time.time()
+                        self._write()
+                finally:
+                    self._lock.release()
+
+    @staticmethod
+    def _watch_failed(err: Exception) -> str:
+        """The warning for an error of the watchdog: an unreachable store is said as such, anything else
+        (a bug) with its type, never as a store that cannot be reached."""
+        import torch
+
+        if isinstance(err, (OSError, torch.distributed.DistError)) or type(err).__name__ == "StoreSilent":
+            return f"the hang watchdog cannot reach the process group's store ({err})"
+        return f"the hang watchdog failed ({type(err).__name__}: {err})"
 
     def _say_once(self, what: str, line: str) -> None:
         if what not in self._failed:
@@ -218,17 +247,21 @@ def _where(beat: Beat) -> str:
     return f"{where} (in {beat.collective})" if beat.collective else where
 
 
-def diagnose(output_dir: str | Path, now: float | None = None,
-             frozen_after_s: float = 3 * ALIVE_EVERY_S) -> str | None:
-    """One line naming the rank that stopped advancing first, its host and where it was; None when
-    the folder holds no heartbeat. Afterwards only: the files' times are those of several hosts' clocks."""
+def diagnose(output_dir: str | Path) -> str | None:
+    """One line naming the rank that stopped advancing first, its host and where it was; None when the
+    folder holds no heartbeat. From the beats' counts alone: the files' times come from several hosts'
+    clocks, which are never compared. torch's Flight Recorder's account follows, where it dumped."""
+    from mlm_ddp.flight import summary
+
+    recorded = summary(output_dir)
     named = hang_records(output_dir)
     if named:  # judged live, from what every rank published: better than these files afterwards
-        return f"{named[0]['hang']} (named by rank {named[0]['rank']}'s watchdog as it waited)"
+        how = "warned about by" if named[0].get("warning") else "named by"
+        line = f"{named[0]['hang']} ({how} rank {named[0]['rank']}'s watchdog as it waited)"
+        return line + (f"; {recorded}" if recorded else "")
     beats = read_beats(output_dir)
     if not beats:
-        return None
-    now = time.time() if now is None else now
+        return recorded
     world = max(b.world for b in beats.values())
     beats = {r: b for r, b in beats.items() if b.world == world}  # files of an earlier, larger run: ignored
     missing = [r for r in range(world) if r not in beats]
@@ -238,23 +271,16 @@ def diagnose(output_dir: str | Path, now: float | None = None,
                 "--diagnose on that node too)")
     if all(b.phase == "done" for b in beats.values()):
         return f"all {world} ranks finished (no rank is stopped)"
-    newest = max(b.alive for b in beats.values())
-    frozen = [b for b in beats.values() if newest - b.alive > frozen_after_s]
-    # the frozen first; then the fewest beats (every rank beats the same sequence); then the earliest
-    first = min(beats.values(), key=lambda b: (b not in frozen, b.seq, b.at))
-    others = [b for b in beats.values() if b.rank != first.rank]
-    line = f"rank {first.rank} on {first.host} (pid {first.pid}) stopped in {_where(first)}"
-    if others:
-        ahead = min(b.at for b in others) - first.at
-        waiting = max(others, key=lambda b: b.seq)
-        line += f", {max(ahead, 0.0):.1f} s before the others' last heartbeat"
-        line += f"; the others got as far as {_where(waiting)}"
-    if first in frozen:
-        line += (f"; its process stopped running {newest - first.alive:.0f} s before theirs (stopped, killed, or "
-                 "its node is gone): check that node")
-    elif now - newest <= frozen_after_s:
-        line += "; its process is still running, stuck there (py-spy dump --pid on its host shows where)"
-    return line
+    working = [b for b in beats.values() if b.phase != "done"]
+    first = min(working, key=lambda b: (b.seq, b.rank))  # every rank beats the same sequence
+    furthest = max(beats.values(), key=lambda b: b.seq)
+    if first.seq == furthest.seq:
+        line = (f"all {len(working)} unfinished ranks stopped at the same point, {_where(first)}: no rank is behind; "
+                "the collective itself did not complete (the backend or the network)")
+    else:
+        line = (f"rank {first.rank} on {first.host} (pid {first.pid}) stopped in {_where(first)}; the others got as "
+                f"far as {_where(furthest)}")
+    return line + (f"; {recorded}" if recorded else "")
 
 
 def cost_per_beat(folder: str | Path, beats: int = 20000) -> float:

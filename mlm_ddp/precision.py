@@ -6,36 +6,29 @@ before the Accelerator is made; and FSDP2's policy for it.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from mlm_ddp.distributed import Topology
 
 
-def agree_precision(mine: tuple[str, str], topo: Topology, store: Any = None) -> tuple[str, str]:
-    """One precision for the job: rank 0's. Every rank publishes its own choice on the process group's
-    store and takes rank 0's; rank 0 names, in one line, every rank that would have chosen otherwise
-    (`auto` on GPUs of another generation: a job split between bf16 and fp16 would not even agree on
-    its gradients' dtype). A launcher's or a flag's precision is the same on every rank already."""
-    import json
-
+def agree_precision(mine: tuple[str, str], rank: int, gather: Callable[[Any], list[Any]]) -> tuple[str, str]:
+    """One precision for the job: rank 0's. Every rank's own choice, gathered over the start-up group
+    (`gather`: every rank's value in rank order, a collective; never the store, whose keys outlive a
+    torchrun restart), and rank 0's taken; rank 0 names, in one line, every rank that would have chosen
+    otherwise (`auto` on GPUs of another generation: a job split between bf16 and fp16 would not even agree
+    on its gradients' dtype). A launcher's or a flag's precision is the same on every rank already."""
     from accelerate.logging import get_logger
-    from torch.distributed import distributed_c10d
 
-    store = distributed_c10d._get_default_store() if store is None else store
-    key = "mlm_ddp/precision/"
-    store.set(f"{key}{topo.rank}", json.dumps([*mine, os.uname().nodename]))
-    if topo.rank != 0:
-        chosen, why, _ = json.loads(store.get(f"{key}0"))
-        return chosen, why
-    others = [json.loads(v) for v in store.multi_get([f"{key}{r}" for r in range(1, topo.world_size)])]
-    apart = [(rank, p, host) for rank, (p, _, host) in enumerate(others, start=1) if p != mine[0]]
-    if apart:
+    every = gather([*mine, os.uname().nodename])
+    chosen, why, _ = every[0]
+    apart = [(r, p, host) for r, (p, _, host) in enumerate(every) if p != chosen]
+    if rank == 0 and apart:
         get_logger(__name__).warning(
-            "precision %s for every rank (rank 0's: %s); %d rank(s) would have chosen otherwise: %s", mine[0], mine[1],
-            len(apart), ", ".join(f"rank {rank} on {host} {p}" for rank, p, host in apart))
-    return mine
+            "precision %s for every rank (rank 0's: %s); %d rank(s) would have chosen otherwise: %s", chosen, why,
+            len(apart), ", ".join(f"rank {r} on {host} {p}" for r, p, host in apart))
+    return chosen, why
 
 
 PRECISIONS = ("no", "fp16", "bf16")

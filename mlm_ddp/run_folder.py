@@ -11,6 +11,7 @@ Also what the run writes at its top level: `config.yaml`, `stopped.json`, `summa
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -22,10 +23,10 @@ import yaml
 from accelerate import Accelerator
 from accelerate.logging import get_logger
 
-from mlm_ddp import branch, st_files
+from mlm_ddp import branch, flight, st_files
 from mlm_ddp import checkpoint as ckpt
 from mlm_ddp import data as mdata
-from mlm_ddp.collectives import MainProcessWait
+from mlm_ddp.collectives import MainProcessWait, patient_collectives
 from mlm_ddp.config import Config
 from mlm_ddp.durable import write_atomic
 from mlm_ddp.errors import EXIT_REQUEUE, AlreadyFinished, BadInput
@@ -41,7 +42,7 @@ SUMMARY_FILE = "summary.json"
 # everything a run writes into its folder: what --overwrite_output_dir removes
 BEST_PROBE = "best_probe"  # --probe_every_eval: the model of the best downstream probe score (probing.py)
 RUN_OUTPUTS = ("config.yaml", "metrics.jsonl", SUMMARY_FILE, "final", "checkpoints", "logs", STOPPED_FILE,
-               "report.html", "report_plots", BEST_PROBE, "probe_before.json")
+               "report.html", "report_plots", BEST_PROBE, "probe_before.json", flight.FOLDER)
 
 
 # Settings that may differ on resume: they change what is logged or kept and how long the run goes,
@@ -375,6 +376,7 @@ class RunFolder:
             logger.info("%s", line)
         if accelerator.is_main_process:
             write_atomic(out / "config.yaml", self.cfg.to_yaml())
+            flight.make_folder(os.environ)  # NCCL writes its Flight Recorder dumps there on a timeout
             (out / STOPPED_FILE).unlink(missing_ok=True)  # this run continues what stopped
             if start.own_checkpoint and (aside := ckpt.set_aside_later(out, start.state.step)) is not None:
                 logger.warning("resumed from step %d: the later checkpoints of the abandoned run were moved to %s "
@@ -408,7 +410,9 @@ class RunFolder:
     def write_model(self, accelerator: Accelerator, model: Any, tokenizer: Any, card: str, tmp: Path) -> None:
         """Every rank (FSDP gathers the shards to rank 0); the main process writes the model as final/ holds
         it into the folder `tmp`, which it empties first."""
-        weights = accelerator.get_state_dict(model)
+        # FSDP gathers the shards on the training group: a slow rank here waits --save_timeout, as in a save
+        with patient_collectives(self.cfg.run.save_timeout, self.cfg.run.ddp_timeout):
+            weights = accelerator.get_state_dict(model)
         if accelerator.is_main_process:
             if tmp.exists():
                 shutil.rmtree(tmp)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -28,7 +29,7 @@ from accelerate import Accelerator
 from accelerate.logging import get_logger
 from accelerate.utils import set_seed
 
-from mlm_ddp import branch, collectives, distributed, precision, probing
+from mlm_ddp import branch, collectives, distributed, flight, precision, probing, watchdog
 from mlm_ddp import checkpoint as ckpt
 from mlm_ddp import data as mdata
 from mlm_ddp.config import Config, parse_args
@@ -42,7 +43,6 @@ from mlm_ddp.run_folder import RunFolder, Start, agree_on_resume, model_card
 from mlm_ddp.run_log import RunLog, check_trackers, describe_start, utilisation
 from mlm_ddp.spikes import LossSpikes
 from mlm_ddp.step import SkippedSteps, StepResult, agree_on_step, settle_step, train_step
-from mlm_ddp.watchdog import SAVE_PHASES, Watchdog, on_stall_exit, store_of_process_group
 
 logger = get_logger(__name__)
 
@@ -176,11 +176,10 @@ class Training:
 
 def build(cfg: Config, checked: Checked, hooks: Hooks) -> Training:
     start, path = checked.start, checked.folder.path
-    accelerator, checked.precision = collectives.start_accelerator(
-        checked.topo, checked.fsdp_plugin, cfg.training, checked.precision, cfg.run.ddp_timeout,
-        cfg.run.rendezvous_timeout, checked.trackers,
-        project_dir=str(path / "logs"))  # TensorBoard writes into logs/<TRACKING_PROJECT>/
-    wait = collectives.MainProcessWait(accelerator.num_processes, cfg.run.save_timeout)
+    timeouts = collectives.Timeouts(cfg.run.ddp_timeout, cfg.run.save_timeout, cfg.run.rendezvous_timeout)
+    started = collectives.start_accelerator(checked.topo, checked.fsdp_plugin, cfg.training, checked.precision,
+                                            timeouts, checked.trackers, path)
+    accelerator, checked.precision, wait = started.accelerator, started.precision, started.wait
     agree_on_resume(start.resume_from, wait)
     transformers_model = load_weights(cfg, checked, accelerator)
     data = mdata.rank_data(cfg.data, cfg.training, checked.tokenizer, checked.raw_train, checked.raw_eval,
@@ -189,7 +188,9 @@ def build(cfg: Config, checked: Checked, hooks: Hooks) -> Training:
                                                                  cfg.training, data.total_steps)
     # made now, written once the folder is prepared: the parts of the loop report their phases to it
     heartbeat = Heartbeat(path, accelerator.process_index, accelerator.num_processes, hooks.on_beat,
-                          watch(cfg, checked, accelerator.num_processes), start=False)
+                          watchdog.for_run(cfg.run, checked.topo, path, accelerator.num_processes,
+                                           functools.partial(collectives.lost_contact, checked.topo), EXIT_FAILED),
+                          start=False)
     checkpointer = ckpt.Checkpointer(cfg.run, accelerator, wait, scheduler, cfg.to_yaml(),
                                      start.state.step if start.resume_from else None, hooks.before_checkpoint_marker,
                                      heartbeat.beat)
@@ -220,20 +221,6 @@ def build(cfg: Config, checked: Checked, hooks: Hooks) -> Training:
                     evaluator, checkpointer, heartbeat, hooks, spikes, skips, every)
 
 
-def watch(cfg: Config, checked: Checked, world: int) -> Watchdog | None:
-    """The watchdog (watchdog.py) that names a hang before the backend's own timeout; None alone."""
-    store = store_of_process_group() if world > 1 else None
-    if store is None:
-        return None
-
-    def timeout_s(phase: str) -> float:
-        return cfg.run.save_timeout if phase in SAVE_PHASES else cfg.run.ddp_timeout
-
-    on_stall = on_stall_exit(checked.folder.path, checked.topo.rank,
-                             functools.partial(collectives.lost_contact, checked.topo), "mlm_ddp.train", EXIT_FAILED)
-    return Watchdog(store, checked.topo.rank, world, timeout_s, on_stall)
-
-
 def train_feed(cfg: Config, start: Start, accelerator: Accelerator, data: mdata.RankData,
                heartbeat: Heartbeat) -> tuple[mdata.TrainFeed, dict | None]:
     """The feed of optimizer-step windows from the start's data position, and the stream position it
@@ -244,12 +231,12 @@ def train_feed(cfg: Config, start: Start, accelerator: Accelerator, data: mdata.
                     if start.resume_from and not start.elastic else None)
 
     def any_rank(flag: bool) -> bool:
-        heartbeat.entering("the all-reduce of the stream's ran-out flags")
-        return collectives.any_rank(accelerator, flag)
+        with heartbeat.collective("the all-reduce of the stream's ran-out flags"):
+            return collectives.any_rank(accelerator, flag)
 
     def gather_rows(values: list[float]) -> list[list[float]]:
-        heartbeat.entering("the gather of every rank's account of the stream's epoch")
-        return collectives.gather_rows(accelerator, values)
+        with heartbeat.collective("the gather of every rank's account of the stream's epoch"):
+            return collectives.gather_rows(accelerator, values)
 
     feed = mdata.TrainFeed(data.train_loader, data.train_collator, cfg.training.gradient_accumulation_steps,
                            state.epoch, state.batch_in_epoch, any_rank, stream_state, gather_rows,
@@ -361,8 +348,9 @@ def after_step(run: Training, step: int, at: mdata.FeedPosition,
 def settle(run: Training, unread: tuple[int, StepResult]) -> None:
     """Read a step's on-device skip now (an all-reduce and a host sync, every rank alike) and act on it,
     where no next step's all-reduce will bring it."""
-    run.heartbeat.entering("the all-reduce of the last step's skip")
-    if (skipped := settle_step(run.accelerator, unread[1])) is not None:
+    with run.heartbeat.collective("the all-reduce of the last step's skip"):
+        skipped = settle_step(run.accelerator, unread[1])
+    if skipped is not None:
         run.skips(unread[0], skipped)
 
 
@@ -377,7 +365,8 @@ def trainer_state(run: Training, step: int, at: mdata.FeedPosition) -> ckpt.Trai
 def position_after(run: Training, step: int) -> tuple[ckpt.TrainerState, dict | None]:
     """What a checkpoint after `step` saves (a collective: the tokens of every rank)."""
     at = run.feed.position()
-    return trainer_state(run, step, at), at.stream
+    with run.heartbeat.collective("the all-reduce of the tokens seen"):  # on the training group: --ddp_timeout
+        return trainer_state(run, step, at), at.stream
 
 
 def stop_here(run: Training, state: ckpt.TrainerState, data_state: dict | None, signals: list[str]) -> NoReturn:
@@ -480,6 +469,8 @@ def main(argv: list[str] | None = None, hooks: Hooks | None = None) -> int:
         topo = distributed.detect(cuda_devices=0)
         if not (topo.distributed and collectives.is_collective_failure(err)):
             raise
+        if cfg is not None:  # gloo writes no Flight Recorder dump of its own
+            flight.dump(os.environ, topo.rank)
         first = diagnose(cfg.run.output_dir) if cfg is not None else None
         say(f"mlm_ddp.train: error: {collectives.lost_contact(topo, err)}"
             + (f"\nmlm_ddp.train: error: hang: {first}" if first else ""))

@@ -17,6 +17,10 @@ production code's environment:
   report or tracker upload), while the other ranks have finished.
 - `--slow_load RANK:S`: rank RANK sleeps S seconds before it loads a checkpoint (a resume that reads a
   whole DDP checkpoint from a busy network filesystem), while the other ranks have loaded theirs.
+- `--kill RANK:STEP`: in the first attempt of a torchrun job only (TORCHELASTIC_RESTART_COUNT 0), rank RANK
+  kills itself with SIGKILL as its heartbeat enters the data phase of step STEP (a dead GPU, an OOM kill).
+- `--late RANK:S`: in a restarted attempt only (TORCHELASTIC_RESTART_COUNT above 0), rank RANK sleeps S
+  seconds before it starts (a node that comes back slowly).
 - `--spike STEP:FACTOR`: the first micro-batch of step STEP has its loss multiplied by FACTOR on every
   rank, once (a replay of that step after a rollback is not spiked again).
 
@@ -64,6 +68,16 @@ def stick_at(where: str, beat: Beat) -> None:
     rank, step, phase = where.split(":", 2)
     if (beat.rank, beat.step, beat.phase, beat.collective) == (int(rank), int(step), phase, None):
         time.sleep(3600)
+
+
+def attempt() -> int:
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+def kill_at(where: str, beat: Beat) -> None:
+    rank, step = map(int, where.split(":"))
+    if attempt() == 0 and (beat.rank, beat.step, beat.phase, beat.collective) == (rank, step, "data", None):
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def slow_evaluations(seconds: float) -> None:
@@ -118,7 +132,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--slow_eval_s", type=float)
     parser.add_argument("--slow_final_s", metavar="RANK:S")
     parser.add_argument("--slow_load", metavar="RANK:S")
+    parser.add_argument("--kill", metavar="RANK:STEP")
+    parser.add_argument("--late", metavar="RANK:S")
     faults, train_argv = parser.parse_known_args(argv)
+    if faults.late is not None and attempt() > 0 and os.environ.get("RANK") == faults.late.split(":")[0]:
+        pause(float(faults.late.split(":")[1]))
     if faults.slow_shard_write is not None:
         from torch.distributed.checkpoint import FileSystemWriter
 
@@ -137,6 +155,8 @@ def main(argv: list[str] | None = None) -> int:
     freeze = None if faults.freeze is None else functools.partial(freeze_at, faults.freeze)
     if faults.stick is not None:
         freeze = functools.partial(stick_at, faults.stick)
+    if faults.kill is not None:
+        freeze = functools.partial(kill_at, faults.kill)
     spike = None if faults.spike is None else OneSpike(faults.spike)
     return train_main(train_argv, Hooks(before_checkpoint_marker=slow, on_beat=freeze, loss_factor=spike))
 

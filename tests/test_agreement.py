@@ -79,35 +79,22 @@ def test_an_interface_the_host_lacks_is_refused_naming_the_variable(env: dict, n
 
 def test_ranks_that_would_choose_other_precisions_train_in_rank_0s_and_rank_0_names_them(
         caplog: pytest.LogCaptureFixture) -> None:
-    """`auto` on GPUs of two generations: four ranks (threads, each with its own connection to one real
-    TCPStore), two of which would pick fp16; all take rank 0's bf16, and one line names the two."""
-    import threading
-
+    """`auto` on GPUs of two generations: four ranks, two of which would pick fp16; all take rank 0's bf16,
+    and rank 0 says, in one line, which two. Every rank's choice comes from the start-up group's gather
+    (here, what it returns: each rank's own value in rank order)."""
     from accelerate import PartialState
-    from torch.distributed import TCPStore
 
-    from mlm_ddp.distributed import detect
     from mlm_ddp.precision import agree_precision
 
     PartialState(cpu=True)  # accelerate's logger needs its state
-    server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     own = {0: ("bf16", "auto: compute capability 9.0"), 1: ("fp16", "auto: compute capability 7.0"),
            2: ("bf16", "auto: compute capability 9.0"), 3: ("fp16", "auto: compute capability 7.5")}
-    agreed: dict[int, tuple[str, str]] = {}
-
-    def rank(r: int) -> None:
-        topo = detect({"RANK": str(r), "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "4", "MASTER_ADDR": "127.0.0.1"},
-                      cuda_devices=0)
-        store = TCPStore("127.0.0.1", server.port, is_master=False)
-        agreed[r] = agree_precision(own[r], topo, store)
-
+    every = [[*own[r], f"node{r}"] for r in range(4)]
     with caplog.at_level("WARNING"):
-        threads = [threading.Thread(target=rank, args=(r,)) for r in (3, 2, 1, 0)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(timeout=60)
+        agreed = {r: agree_precision(own[r], r, lambda mine, r=r: [mine if i == r else v for i, v in enumerate(every)])
+                  for r in range(4)}
     assert agreed == {r: own[0] for r in range(4)}
     lines = [rec.getMessage() for rec in caplog.records if "would have chosen otherwise" in rec.getMessage()]
     assert len(lines) == 1 and "2 rank(s) would have chosen otherwise: rank 1 on " in lines[0], lines
     assert " fp16, rank 3 on " in lines[0] and "precision bf16 for every rank (rank 0's: auto" in lines[0]
+

@@ -45,10 +45,10 @@ def no_spike(tiny_model: Path, corpus: dict, tmp_path_factory: pytest.TempPathFa
     assert json.loads((out / "summary.json").read_text())["loss_spikes"] == {"skipped": 0, "rolled_back": 0}
     # the heartbeat of a finished run: the evaluation before training (its phase and its reduce),
     # BEATS_PER_STEP per step (what bench.py prices), the last step's evaluation's reduce, the fused AdamW's
-    # on-device skip read before each checkpoint (--checkpointing_steps 5) and after the last step, the
-    # final save and done
+    # on-device skip read before each checkpoint (--checkpointing_steps 5) and the all-reduce of the tokens
+    # seen in each, the skip read after the last step, the final save and done
     beat = json.loads((out / "heartbeat" / "rank-00000.json").read_text())
-    beats = 2 + heartbeat.BEATS_PER_STEP * STEPS + 1 + STEPS // 5 + 1 + 2
+    beats = 2 + heartbeat.BEATS_PER_STEP * STEPS + 1 + 2 * (STEPS // 5) + 1 + 2
     assert (beat["phase"], beat["step"], beat["seq"]) == ("done", STEPS, beats)
     return out
 

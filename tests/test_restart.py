@@ -1,0 +1,104 @@
+"""A torchrun restart is a resume (real torchrun, its elastic agent and its one store for every attempt):
+rank 1 is SIGKILLed in step 8; the agent restarts both workers, which resume from the checkpoint of step
+5 and end with the uninterrupted run's losses, also when rank 1 comes back 12 s late (past --ddp_timeout).
+
+And what a restart leaves in the store: attempt 0's keys are all there for attempt 1 (torchrun scopes
+none), so a start-up of ours that read them passed early or never matched. Here, on one real TCPStore
+played as the agent's: a partial attempt (rank 1 exits before it joins), then an elastic shrink to one
+process, which must start.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import NO_DROPOUT, REPO, SAME_STEPS, free_port, tiny_args, train_losses
+
+STEPS, SAVED, KILLED = 10, 5, 8
+
+
+def torchrun(args: list[str], restarts: int, log: Path) -> int:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    with open(log, "w") as out:
+        return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                               "--max_restarts", str(restarts), "--master_port", str(free_port()),
+                               "-m", "tests.fault_driver", *args], cwd=REPO, env=env, stdout=out,
+                              stderr=subprocess.STDOUT, timeout=600).returncode
+
+
+def run_args(tiny_model: Path, corpus: dict, out: Path) -> list[str]:
+    return tiny_args(tiny_model, corpus, out, "--max_train_steps", str(STEPS), "--checkpointing_steps", str(SAVED),
+                     "--resume_from_checkpoint", "auto", "--ddp_timeout", "8", "--save_timeout", "30",
+                     "--per_device_train_batch_size", "4", "--cpu_threads", "1", "--report", "false",
+                     "--max_eval_samples", "16", *NO_DROPOUT)
+
+
+@pytest.fixture(scope="module")
+def straight(tiny_model: Path, corpus: dict, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("restart") / "straight"
+    assert torchrun(run_args(tiny_model, corpus, out), 0, out.parent / "straight.log") == 0, \
+        (out.parent / "straight.log").read_text()[-3000:]
+    return out
+
+
+@pytest.mark.parametrize("late_s", [0, 12])
+def test_a_rank_killed_mid_run_is_restarted_and_the_job_ends_with_the_uninterrupted_losses(
+        late_s: int, straight: Path, tiny_model: Path, corpus: dict, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    faults = ["--kill", f"1:{KILLED}"] + (["--late", f"1:{late_s}"] if late_s else [])
+    log = tmp_path / "torchrun.log"
+    code = torchrun([*faults, *run_args(tiny_model, corpus, out)], 1, log)
+    said = log.read_text()
+    assert code == 0, said[-4000:]
+    assert f"resumed from {out / 'checkpoints' / f'step-{SAVED:07d}'} at step {SAVED}" in said, said[-4000:]
+    expected, got = train_losses(straight), train_losses(out)
+    assert sorted(got) == list(range(1, STEPS + 1))
+    assert max(abs(got[s] - expected[s]) / expected[s] for s in expected) <= SAME_STEPS
+
+
+JOIN = """
+import os, sys
+from mlm_ddp import collectives
+from mlm_ddp.distributed import detect
+topo = detect(cuda_devices=0)
+wait, scope = collectives.join_process_group(topo, collectives.Timeouts(ddp=5, save=30, rendezvous=int(sys.argv[1])))
+print("joined", topo.world_size, scope, flush=True)
+"""
+
+
+def join(rank: int, world: int, port: int, attempt: int, rendezvous_s: int) -> subprocess.Popen:
+    """One worker of an attempt, started as torchrun's agent starts it: on the agent's store (the test's)."""
+    env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
+           "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+           "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": str(attempt),
+           "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen([sys.executable, "-c", JOIN, str(rendezvous_s)], cwd=REPO, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+
+def test_a_partial_attempt_then_an_elastic_shrink_starts_on_the_agents_store() -> None:
+    from torch.distributed import TCPStore
+
+    agent = TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False)
+    # attempt 0: two workers, rank 1 dies before it joins; rank 0 gives up after its rendezvous timeout
+    alone = join(0, 2, agent.port, 0, 4)
+    said = alone.communicate(timeout=120)[0]
+    assert alone.returncode != 0 and "not every process joined within 5 s" in said, said[-2000:]
+    # attempt 1: the agent shrinks the job to one worker, on the same store with attempt 0's keys in it
+    shrunk = join(0, 1, agent.port, 1, 4)
+    said = shrunk.communicate(timeout=120)[0]
+    assert shrunk.returncode == 0 and "joined 1 mlm_ddp/attempt-1/" in said, said[-2000:]
+    # attempt 2: both again, rank 1 8 s late: rank 0 waits for it, and neither reads an earlier attempt's
+    # addresses (torch names the gloo groups the same in every attempt)
+    late = [join(0, 2, agent.port, 2, 60)]
+    time.sleep(8)
+    late.append(join(1, 2, agent.port, 2, 60))
+    lines = [proc.communicate(timeout=120)[0] for proc in late]
+    assert [proc.returncode for proc in late] == [0, 0], lines
+    assert all("joined 2 mlm_ddp/attempt-2/" in line for line in lines), lines
