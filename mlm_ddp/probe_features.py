@@ -207,6 +207,8 @@ def fresh_head(model: PreTrainedModel, seed: int) -> None:
     different heads, and their scores would differ for that alone."""
     torch.manual_seed(seed)
     base = model.base_model
+    if base is model:  # no encoder apart from the head to tell them by: leave the model as it loaded
+        return
     pooler = getattr(base, "pooler", None)
     head = ([pooler] if pooler is not None else []) + [module for module in model.children() if module is not base]
     for part in head:
