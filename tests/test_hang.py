@@ -36,7 +36,8 @@ from tests.conftest import REPO, free_port, run_module, tiny_args
 
 PHASES = ["data", "forward/backward", "optimizer", "eval", "checkpoint"]
 # --ddp_timeout and --save_timeout of the frozen runs: the watchdog names a frozen rank once its tick has
-# not moved for FROZEN_AFTER_S (6 s), and a frozen rank here stops 3 s into its phase (fault_driver)
+# not moved for FROZEN_AFTER_S, or at once where its pid is on this host (stopped), and a frozen rank here stops
+# 3 s into its phase (fault_driver)
 TIMEOUT_S = 20
 
 
