@@ -243,6 +243,18 @@ class Timeouts:
 KEY_ROOT = "mlm_ddp/"  # every key mlm_ddp puts in a store starts with it, then the attempt's id
 
 
+def backend_for(topo: Topology, env: Mapping[str, str]) -> str:
+    """The backend accelerate 1.15's PartialState would choose for this process group (which it takes over
+    when one exists): gloo on CPU processes; on GPUs NCCL, with gloo beside it for CPU tensors where FSDP
+    offloads parameters or gathers a full state dict."""
+    if not topo.cuda_devices:
+        return "gloo"
+    fsdp = env.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+    offloads = env.get("FSDP_OFFLOAD_PARAMS", "false").lower() == "true"
+    full = env.get("FSDP_STATE_DICT_TYPE", "SHARDED_STATE_DICT") == "FULL_STATE_DICT"
+    return "cuda:nccl,cpu:gloo" if fsdp and (offloads or full) else "nccl"
+
+
 def join_process_group(topo: Topology, timeouts: Timeouts) -> tuple[MainProcessWait, str]:
     """Form the process group (accelerate's PartialState takes it over) on a store scoped to this attempt,
     and return once every process has joined it, waiting up to --rendezvous_timeout (or --ddp_timeout where
@@ -268,8 +280,8 @@ def join_process_group(topo: Topology, timeouts: Timeouts) -> tuple[MainProcessW
     scope = f"{KEY_ROOT}attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
     try:
         store, rank, world = next(dist.rendezvous("env://", topo.rank, topo.world_size, timeout=patient))
-        dist.init_process_group("nccl" if topo.cuda_devices else "gloo", store=dist.PrefixStore(scope, store),
-                                rank=rank, world_size=world, timeout=patient)
+        dist.init_process_group(backend_for(topo, os.environ), store=dist.PrefixStore(scope, store), rank=rank,
+                                world_size=world, timeout=patient)
         PartialState(cpu=not topo.cuda_devices, timeout=patient)
         wait = MainProcessWait(topo.world_size, waited)
     except (dist.DistError, RuntimeError) as err:

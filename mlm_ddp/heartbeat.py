@@ -232,14 +232,16 @@ def read_beats(output_dir: str | Path) -> dict[int, Beat]:
 
 
 def hang_records(output_dir: str | Path) -> list[dict[str, Any]]:
-    """The hangs the watchdogs of a run named (`heartbeat/hang-rank-N.json`), by rank."""
+    """The hangs the watchdogs of a run named (`heartbeat/hang-rank-N.json`): the judging rank's first, then by
+    rank."""
     records = []
     for path in sorted((Path(output_dir) / FOLDER).glob("hang-rank-*.json")):
         try:
             records.append(json.loads(path.read_text()))
         except (OSError, ValueError):
             continue
-    return records
+    # the rank that judged first: the others' records only point to it
+    return sorted(records, key=lambda r: "named by the first rank to arrive" in r.get("hang", ""))
 
 
 def _where(beat: Beat) -> str:

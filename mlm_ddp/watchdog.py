@@ -42,7 +42,8 @@ from mlm_ddp.heartbeat import ALIVE_EVERY_S, FOLDER, Beat
 # stopped process, not a slow write on a network filesystem or a call that holds the GIL for seconds
 FROZEN_AFTER_S = 10 * ALIVE_EVERY_S
 STORE_DEADLINE_S = 10.0  # a store call that has not answered in this time is not waited on
-VERDICT = 1 << 40  # added to a wait's arrival counter once its hang is named: no count of ranks reaches it
+VERDICT = 1 << 40  # times 1 + the rank named, added to a wait's arrival counter: no count of ranks reaches it
+ANOTHER_NAMED = "named by the first rank to arrive (its log line and heartbeat/hang-rank-N.json say how)"
 # phases whose waits are on the long-timeout group (--save_timeout): the others wait on the main process
 SAVE_PHASES = ("checkpoint", "final save", "probe")
 # phases whose whole body may wait on the peers (DDP's forward broadcasts buffers and its backward
@@ -57,7 +58,6 @@ class Store(Protocol):
     def set(self, key: str, value: bytes | str) -> None: ...
     def add(self, key: str, value: int) -> int: ...
     def check(self, keys: list[str]) -> bool: ...
-    def get(self, key: str) -> bytes: ...
     def multi_get(self, keys: list[str]) -> list[bytes]: ...
 
 
@@ -196,6 +196,7 @@ class Wait:
 class Verdict:
     line: str
     final: bool  # the peer cannot arrive: end the process now; else warn and let the backend time out
+    rank: int = -1  # the peer named
 
 
 class Watchdog:
@@ -280,8 +281,9 @@ class Watchdog:
         if waited < deadline - FROZEN_AFTER_S - ALIVE_EVERY_S:
             return
         arrived = self.calls("add", self.key("arrived", beat.seq), 0)
-        if arrived >= VERDICT:  # the observer named the hang: end as it did
-            self.on_stall(self.calls("get", self.key("verdict", beat.seq)).decode(), waited, timeout)
+        if arrived >= VERDICT:  # the observer named the hang (the count carries the rank): end too
+            self.on_stall(f"rank {arrived // VERDICT - 1} stopped this rank's wait in {Record.of(beat, 0).where}; "
+                          f"{ANOTHER_NAMED}", waited, timeout)
             return
         if arrived >= self.world and beat.collective is not None:
             return  # every rank is in this collective: slow (the backend will say), not stuck
@@ -294,9 +296,8 @@ class Watchdog:
         verdict = self.judge(beat, wait, self.read_peers(), now)
         if verdict is None:
             return
-        if verdict.final:
-            self.calls("set", self.key("verdict", beat.seq), verdict.line)
-            self.calls("add", self.key("arrived", beat.seq), VERDICT)  # the others learn it from the count they read
+        if verdict.final:  # the others learn it, and whom, from the count they read
+            self.calls("add", self.key("arrived", beat.seq), VERDICT * (1 + verdict.rank))
             self.on_stall(verdict.line, waited, timeout)
         elif wait.warned != verdict.line:
             wait.warned = verdict.line
@@ -339,12 +340,14 @@ class Watchdog:
                 f"far as {Record.of(mine, 0).where}")
         if state == "exited":
             return Verdict(line + "; its process has exited (killed, or it failed: the launcher's report or its "
-                                  "log says why)", True)
+                                  "log says why)", True, record.rank)
         if state == "stopped":
-            return Verdict(line + "; its process is stopped (SIGSTOP, or a debugger): check that node", True)
+            return Verdict(line + "; its process is stopped (SIGSTOP, or a debugger): check that node", True,
+                           record.rank)
         if silent and state is None:
             return Verdict(line + f"; no sign of life for {watched:.0f} s or more as seen from rank {self.rank}: its "
-                                  "process exited, was killed or frozen, or its node is gone: check that node", True)
+                                  "process exited, was killed or frozen, or its node is gone: check that node", True,
+                           record.rank)
         how = (f"has not published for {watched:.0f} s although its process runs (a call that holds the GIL?)"
                if silent else "is alive, still there")
         return Verdict(line + f"; its process {how} (py-spy dump --pid {record.pid} on {record.host} shows where); "

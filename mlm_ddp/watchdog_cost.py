@@ -33,11 +33,6 @@ class CountingStore:
         self._count(sum(map(len, keys)), 1)
         return self.store.check(keys)
 
-    def get(self, key: str) -> bytes:
-        value = self.store.get(key)
-        self._count(len(key), len(value))
-        return value
-
     def multi_get(self, keys: list[str]) -> list[bytes]:
         values = self.store.multi_get(keys)
         self._count(sum(map(len, keys)), sum(map(len, values)))
