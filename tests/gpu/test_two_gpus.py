@@ -31,14 +31,13 @@ GPU backward kernels that add with atomics (index_add) do not sum in a fixed ord
 from __future__ import annotations
 
 import math
-import os
 import time
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import NO_DROPOUT, SAME_STEPS, train_losses
-from tests.gpu.conftest import DRY_RUN, ON_GPU, gpu_count, on_cuda, pick, train_run
+from tests.gpu.conftest import DRY_RUN, ON_GPU, accelerate_config, gpu_count, on_cuda, pick, run_env, train_run
 
 # SAVE_AT: the one checkpoint (no multiple of it is a later step: each sharded save costs seconds on the CPU)
 SEQ, BATCH, STEPS, SAVE_AT = pick((128, 32, 8, 5), (32, 8, 7, 4))
@@ -60,20 +59,18 @@ def max_rel_diff(reference: dict[int, float], other: dict[int, float]) -> float:
 
 
 def tf32_switches() -> list[str]:
-    """What would turn TF32 on in the launched runs (they inherit this environment and accelerate's default
-    config): torch's override variable, or an accelerate dynamo backend (its Accelerator then sets
-    allow_tf32 for fp32 on CUDA)."""
-    from accelerate.commands.config.config_args import default_config_file, load_config_from_file
+    """What would turn TF32 on in the launched runs: torch's override variable in their environment
+    (`run_env`), or a dynamo backend in the suite's accelerate configs (its Accelerator then sets allow_tf32
+    for fp32 on CUDA). The host's default accelerate config and ACCELERATE_* variables do not reach them."""
+    from accelerate.commands.config.config_args import load_config_from_file
 
     found = []
-    if os.environ.get("TORCH_ALLOW_TF32_CUBLAS_OVERRIDE") == "1":
+    if run_env().get("TORCH_ALLOW_TF32_CUBLAS_OVERRIDE") == "1":
         found.append("TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1")
-    if os.environ.get("ACCELERATE_DYNAMO_BACKEND", "no").lower() != "no":
-        found.append(f"ACCELERATE_DYNAMO_BACKEND={os.environ['ACCELERATE_DYNAMO_BACKEND']}")
-    if Path(default_config_file).is_file():  # `accelerate launch` without --config_file reads it
-        backend = (load_config_from_file(default_config_file).dynamo_config or {}).get("dynamo_backend", "NO")
+    for config in sorted({accelerate_config(1), accelerate_config(2), accelerate_config(2, fsdp=True)}):
+        backend = (load_config_from_file(str(config)).dynamo_config or {}).get("dynamo_backend", "NO")
         if str(backend).lower() != "no":
-            found.append(f"dynamo_backend {backend} in {default_config_file}")
+            found.append(f"dynamo_backend {backend} in {config}")
     return found
 
 
