@@ -12,11 +12,19 @@ shared machine slows both alike; the ratio is what to read, never one absolute n
 
 After training, both models are evaluated on the same held-out blocks with the same masks.
 A benchmark, not a test: nothing here asserts a speed.
+
+Each recipe's steps wait for the device only where the program they stand for does: (a) never in its own
+code (transformers' mask builder reads the all-ones mask back, as in the script), (b) once per step, the
+read of the step's all-reduce that `mlm_ddp.train` makes (`agree_on_step`). Their masked tokens stay on
+the device until the timing ends, and a GPU times the steps with CUDA events (`device_seconds`); so the
+host prepares the next batch while the device computes, as in training (tests/test_bench.py counts the
+waits on the CPU).
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import math
 import statistics
@@ -34,6 +42,7 @@ from transformers import AutoModelForMaskedLM, DataCollatorForLanguageModeling, 
 
 from mlm_ddp import data as mdata
 from mlm_ddp import distributed, heartbeat, precision, watchdog_cost
+from mlm_ddp.checkpoint import StopSignals
 from mlm_ddp.config import ModelConfig, _doc, from_dict
 from mlm_ddp.errors import BadInput
 from mlm_ddp.masking import EVAL_SPLIT, IGNORE_INDEX, TRAIN_SPLIT, MaskingCollator
@@ -47,7 +56,7 @@ from mlm_ddp.model import (
 )
 from mlm_ddp.optim import build_optimizer
 from mlm_ddp.speed import measure_peak, synchronize, training_flops_per_token
-from mlm_ddp.step import masked_tokens, train_step
+from mlm_ddp.step import StepResult, agree_on_step, train_step
 
 PRECISIONS = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}  # bench name -> Accelerator(mixed_precision=)
 
@@ -102,7 +111,8 @@ class Recipe:
 
     model: torch.nn.Module
     transformers_model: torch.nn.Module
-    step: Callable[[list[dict]], int]  # trains on one batch of blocks, returns the masked tokens
+    collate: Callable[[list[dict]], dict]  # blocks -> a masked batch on the device (host work and the copy)
+    train: Callable[[dict], torch.Tensor]  # one optimizer step on a batch; its masked tokens, on the device
     times: list[float]
     masked: int = 0
     tokens: int = 0
@@ -124,18 +134,20 @@ def hf_recipe(model: torch.nn.Module, tokenizer: Any, cfg: BenchConfig, accelera
     prepared, optimizer = accelerator.prepare(model, optimizer)
     collator = DataCollatorForLanguageModeling(tokenizer, mlm_probability=0.15, return_tensors="pt")
 
-    def step(blocks: list[dict]) -> int:
+    def collate(blocks: list[dict]) -> dict:
         # run_mlm_no_trainer's group_texts keeps the tokenizer's attention_mask (all ones once packed)
         batch = collator([{"input_ids": b["input_ids"], "attention_mask": [1] * len(b["input_ids"])}
                           for b in blocks])
-        batch = mdata.to_device(batch, accelerator.device)
+        return mdata.to_device(batch, accelerator.device)
+
+    def train(batch: dict) -> torch.Tensor:
         loss = prepared(**batch).loss
         accelerator.backward(loss)
         optimizer.step()
         optimizer.zero_grad()
-        return int((batch["labels"] != IGNORE_INDEX).sum())
+        return (batch["labels"] != IGNORE_INDEX).sum()  # not read here: the script does not count them
 
-    return Recipe(prepared, model, step, [])
+    return Recipe(prepared, model, collate, train, [])
 
 
 def mlm_ddp_recipe(model: torch.nn.Module, tokenizer: Any, cfg: BenchConfig, accelerator: Accelerator) -> Recipe:
@@ -153,14 +165,22 @@ def mlm_ddp_recipe(model: torch.nn.Module, tokenizer: Any, cfg: BenchConfig, acc
     prepared, optimizer = accelerator.prepare(wrapped, optimizer)
     collator = MaskingCollator.for_tokenizer(tokenizer, split=TRAIN_SPLIT, seed=cfg.seed)
     max_norm = train_cfg.training.max_grad_norm
+    stop = StopSignals(train_cfg.run.signal_names())  # its vote slots only: no handler is installed
+    unread: list[StepResult | None] = [None]  # the previous step, where its skip is still on the device
 
-    def step(blocks: list[dict]) -> int:
-        window = [mdata.to_device(collator(blocks), accelerator.device)]
-        masked = masked_tokens(window)
-        train_step(accelerator, prepared, optimizer, window, masked, max_norm)  # the step mlm_ddp.train runs
-        return int(masked)
+    def collate(blocks: list[dict]) -> dict:
+        return mdata.to_device(collator(blocks), accelerator.device)
 
-    return Recipe(prepared, model, step, [], last_layer_subset=wrapped.last_layer_subset)
+    def train(batch: dict) -> torch.Tensor:
+        # what mlm_ddp.train does each step: the all-reduce of the step's masked tokens (with the stop and
+        # skip votes), read once (`agree_on_step`), then the step itself
+        window = [batch]
+        masked, _, _ = agree_on_step(accelerator, window, stop, unread[0])
+        result = train_step(accelerator, prepared, optimizer, window, masked, max_norm)
+        unread[0] = result if isinstance(result.stepped, torch.Tensor) else None
+        return masked
+
+    return Recipe(prepared, model, collate, train, [], last_layer_subset=wrapped.last_layer_subset)
 
 
 def load_base_model(model_cfg: ModelConfig, model_config: Any, random_init: bool, seed: int) -> torch.nn.Module:
@@ -230,17 +250,15 @@ def bench(cfg: BenchConfig) -> dict[str, Any]:
     steps_done = 0
     for recipe in (hf, ours):  # warm-up: the same first batches for both
         for i in range(cfg.warmup):
-            recipe.step(batch_at(i))
+            recipe.train(recipe.collate(batch_at(i)))
     steps_done += cfg.warmup
     for _ in range(cfg.repeats):
         for recipe in (hf, ours):
             was_reset = reset_peak_memory(device)
-            synchronize(device)
-            t = time.perf_counter()
-            for i in range(cfg.steps):
-                recipe.masked += recipe.step(batch_at(steps_done + i))
-            synchronize(device)
-            recipe.times.append(time.perf_counter() - t)
+            masked: list[torch.Tensor] = []  # read after the timing: a read in it would wait for the device
+            batches = [batch_at(steps_done + i) for i in range(cfg.steps)]
+            recipe.times.append(device_seconds(device, functools.partial(run_steps, recipe, batches, masked)))
+            recipe.masked += int(sum(masked))
             recipe.tokens += cfg.steps * cfg.batch * cfg.seq
             recipe.peak_memory = max_known(recipe.peak_memory, peak_memory(device, was_reset))
             # untimed: the held-out perplexity after this repeat, for the time-to-quality
@@ -279,6 +297,29 @@ def bench(cfg: BenchConfig) -> dict[str, Any]:
     if cfg.profile:
         result["profile"] = profile_table(ours, batch_at(steps_done), device)
     return result
+
+
+def run_steps(recipe: Recipe, batches: list[list[dict]], masked: list[torch.Tensor]) -> None:
+    """One optimizer step of `recipe` per batch of blocks, collated as it goes; each step's masked tokens
+    (on the device) appended to `masked`."""
+    for blocks in batches:
+        masked.append(recipe.train(recipe.collate(blocks)))
+
+
+def device_seconds(device: torch.device, work: Callable[[], None]) -> float:
+    """Seconds from now until the device has done what `work` queues: CUDA events around it on a GPU, read
+    once after it (the host queues the steps ahead, as in training), the host's clock on a CPU."""
+    synchronize(device)  # an empty queue: the start is now
+    if device.type != "cuda":
+        started = time.perf_counter()
+        work()
+        return time.perf_counter() - started
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    work()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1000
 
 
 def time_to_quality(reference: list[tuple[float, float]], candidate: list[tuple[float, float]]) -> dict[str, Any]:
@@ -325,7 +366,7 @@ def profile_table(recipe: Recipe, blocks: list[dict], device: torch.device, step
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=activities) as prof:
         for _ in range(steps):
-            recipe.step(blocks)
+            recipe.train(recipe.collate(blocks))
         synchronize(device)
     sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
     return prof.key_averages().table(sort_by=sort, row_limit=15, max_name_column_width=60)

@@ -91,3 +91,82 @@ def test_measuring_the_peak_leaves_the_random_state_alone() -> None:
     before = torch.get_rng_state()
     assert measure_peak(Accelerator(cpu=True), min_seconds=0.05) > 0
     assert torch.equal(torch.get_rng_state(), before)
+
+
+def test_the_timed_steps_wait_for_the_device_where_the_programs_they_stand_for_do(tiny_model: Path) -> None:
+    """Counted on the CPU as tests/test_syncs.py counts `mlm_ddp.train` (scalar reads, data-dependent shapes,
+    boolean indexing, `.tolist()`), each placed at the innermost frame that made it: nothing in the bench's
+    own code, so (a) waits only where transformers and torch do in the script, and (b) once per step, at the
+    read of the step's all-reduce (step.py), train's budget. Before issue 46: one more per step in each, the
+    `int(...)` of the masked tokens in bench.py, which kept the host from preparing the next batch while
+    the device computed."""
+    import copy
+    import functools
+    import traceback
+    from collections import Counter
+
+    from accelerate import Accelerator
+    from torch.overrides import TorchFunctionMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from mlm_ddp import bench
+    from mlm_ddp import data as mdata
+    from mlm_ddp.config import ModelConfig
+    from mlm_ddp.model import load_model_config, load_tokenizer
+    from tests.test_syncs import BOOLEAN_INDEXED, DATA_DEPENDENT, HOST_SIDE, SCALAR_READS
+
+    seen: list[str] = []
+
+    machinery = ("/torch/_compile.py", "/torch/_dynamo/", "/torch/utils/_python_dispatch", "/torch/overrides")
+
+    def caller() -> str:
+        """Where a wait was made: 'host' where the stack passes through host work (the collators: transformers'
+        and mlm_ddp's, HOST_SIDE; torch's default AdamW, whose step counts stay on the host), else the file of
+        the innermost frame (under mlm_ddp/, or the library's: transformers/masking_utils.py)."""
+        stack = [f.filename for f in traceback.extract_stack()
+                 if f.filename != __file__ and not any(m in f.filename for m in machinery)]
+        ours = [f.rsplit("/mlm_ddp/", 1)[1] for f in stack if "/mlm_ddp/" in f]
+        if any("/transformers/data/" in f or "/torch/optim/" in f for f in stack) or ours[-1].startswith(HOST_SIDE):
+            return "host"
+        return stack[-1].rsplit("/mlm_ddp/", 1)[1] if "/mlm_ddp/" in stack[-1] else stack[-1].rsplit("-packages/")[-1]
+
+    class Waits(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = str(func)
+            if name in SCALAR_READS or name in DATA_DEPENDENT or (
+                    name in BOOLEAN_INDEXED and any(i is not None and i.dtype == torch.bool for i in args[1])):
+                seen.append(f"{name.removeprefix('aten.')} {caller()}")
+            return func(*args, **(kwargs or {}))
+
+    class Reads(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if func is torch.Tensor.tolist:
+                seen.append(f"tolist {caller()}")
+            return func(*args, **(kwargs or {}))
+
+    cfg = bench.BenchConfig(model=str(tiny_model), seq=32, batch=4)
+    model_cfg = ModelConfig(model_name_or_path=str(tiny_model))
+    tokenizer = load_tokenizer(model_cfg)
+    base = bench.load_base_model(model_cfg, load_model_config(model_cfg, tokenizer), False, 0)
+    accelerator = Accelerator(cpu=True)
+    packed = mdata.tokenize_and_pack(mdata.embedded_corpus()[:40], tokenizer, 32)["input_ids"]
+    blocks = [{"input_ids": ids} for ids in packed if len(ids) == 32]
+    steps = 3
+    batches = [blocks[4 * i: 4 * i + 4] for i in range(steps)]
+    counted = {}
+    for name, make in (("hf", bench.hf_recipe), ("mlm_ddp", bench.mlm_ddp_recipe)):
+        recipe = make(copy.deepcopy(base), tokenizer, cfg, accelerator)
+        recipe.train(recipe.collate(blocks[-4:]))  # warm-up
+        seen.clear()
+        masked: list[torch.Tensor] = []
+        with Waits(), Reads():  # what bench() times: the steps, collation included
+            bench.device_seconds(accelerator.device, functools.partial(bench.run_steps, recipe, batches, masked))
+        assert len(masked) == steps and all(int(m) > 0 for m in masked)
+        counted[name] = Counter(seen)
+    print(counted)
+    device_side = {name: {what: n for what, n in waits.items() if not what.endswith(" host")}
+                   for name, waits in counted.items()}
+    assert counted["hf"] and counted["mlm_ddp"], "nothing counted: the modes saw no step"
+    # (a): only the library's own (transformers' mask builder reads the all-ones mask back, as in the script)
+    assert all(what.split()[-1].startswith(("transformers/", "torch/")) for what in device_side["hf"]), counted
+    assert device_side["mlm_ddp"] == {"tolist step.py": steps}, counted
