@@ -3,10 +3,13 @@ transformers' own run_mlm_no_trainer.py, each timed from inside its run.
 
 No test asserts a speed that noise could flip. What they assert: the figures exist and are finite, the
 FLOPs arithmetic (the masked-only head computes less per token), MFU and memory that a real device can
-have, and each run did the steps it was timed over. The speed claims (mlm_ddp's step faster than the
-HF recipe's on BERT-base, where it computes about a quarter fewer FLOPs per token, and mlm_ddp.train
-faster than the script) are checked on a GPU only. Each test prints its figures beside public anchors,
-for docs/performance.md.
+have, and each run did the steps it was timed over. One speed claim is asserted, on a GPU only: mlm_ddp's
+step faster than the HF recipe's on BERT-base, where it computes about a quarter fewer FLOPs per token
+(median ratio above 1; no margin yet: none has been measured, and the test prints the ratio and each
+recipe's spread over the repeats to set one). At MiniLM 32 x 128, launch-bound, the host work per step is
+about equal (2.3 ms and 2.0 ms for the two collators), so the bench's ratio and the side-by-side's
+(mlm_ddp.train against run_mlm_no_trainer.py) are reported, never asserted. Each test prints its figures
+beside public anchors, for docs/performance.md.
 """
 
 from __future__ import annotations
@@ -105,7 +108,10 @@ def print_bench(name: str, result: dict[str, Any]) -> None:
               f"{r['tflops']:.3g} TFLOP/s, MFU {r['mfu']:.1%} of the measured {result['peak_tflops']:.3g} TFLOP/s "
               f"bf16 matmul peak, peak memory {r['peak_memory_bytes'] / 2**30:.2f} GiB, "
               f"perplexity {r['perplexity']:.1f}")
-    print(f"bench {name} seq {cfg['seq']}: (b)/(a) {result['ratio']:.2f}x tokens/s, "
+    spread = {key: (result[key]["tokens_per_s_min"], result[key]["tokens_per_s_max"]) for key in ("hf", "mlm_ddp")}
+    print(f"bench {name} seq {cfg['seq']}: (b)/(a) {result['ratio']:.2f}x tokens/s (medians of {cfg['repeats']} "
+          f"repeats; (a) {spread['hf'][0]:,.0f}-{spread['hf'][1]:,.0f}, (b) {spread['mlm_ddp'][0]:,.0f}-"
+          f"{spread['mlm_ddp'][1]:,.0f} tokens/s), "
           f"{result['mlm_ddp']['flops_per_token'] / result['hf']['flops_per_token']:.2f}x FLOPs per token; "
           f"on {result['device']}")
 
@@ -124,7 +130,8 @@ def test_bert_base_throughput_against_the_hf_recipe(request: pytest.FixtureReque
             check_on_device(result)
             hf, ours = result["hf"]["peak_memory_bytes"], result["mlm_ddp"]["peak_memory_bytes"]
             assert hf - ours >= logits, f"(a) {hf / 2**30:.2f} GiB, (b) {ours / 2**30:.2f} GiB"
-            # 20-25% fewer FLOPs, the fused optimizer and no logits traffic: far outside the bench's spread
+            # 20-25% fewer FLOPs, the fused optimizer and no logits traffic. No margin above 1 until a GPU has
+            # measured the ratio and the repeats' spread (printed above): docs/gpu.md, "A first GPU run"
             assert result["ratio"] > 1, f"(b)/(a) = {result['ratio']:.2f}"
     print(ANCHORS)
 
@@ -254,11 +261,12 @@ def script_or_skip(ours: float) -> Path:
     return Path(where)
 
 
-def test_side_by_side_against_run_mlm_no_trainer(request: pytest.FixtureRequest, encoders: dict[str, Path],
-                                                 text: dict[str, Path], tmp_path: Path) -> None:
+def test_side_by_side_against_run_mlm_no_trainer(encoders: dict[str, Path], text: dict[str, Path],
+                                                 tmp_path: Path) -> None:
     """Both tools train MiniLM (a fresh head) in bf16 at the script's settings. One epoch of the training
     text covers every step, so the script's end-of-epoch evaluation and both tools' saving come after the
-    last timed step; mlm_ddp evaluates at its start and end only."""
+    last timed step; mlm_ddp evaluates at its start and end only. The ratio is reported, not asserted: at
+    32 x 128 kernel launches and host work, about equal in both, set the pace (the module docstring)."""
     batch, seq = MINILM_SIZE
     warmup, timed = pick((10, 100), (2, 4))
     steps = warmup + timed
@@ -286,6 +294,4 @@ def test_side_by_side_against_run_mlm_no_trainer(request: pytest.FixtureRequest,
     assert epochs is None or epochs[1] == "1", f"the script ran {epochs[1]} epochs: it evaluated between timed steps"
     theirs = tokens_per_s("script", seconds, warmup, timed, batch * seq)
     print(f"side by side {PRECISION} batch {batch} seq {seq}: run_mlm_no_trainer.py {theirs:,.0f} tokens/s; "
-          f"mlm_ddp / script = {ours / theirs:.2f}x")
-    if on_cuda(request, "mlm_ddp.train faster than run_mlm_no_trainer.py"):
-        assert ours > theirs
+          f"mlm_ddp / script = {ours / theirs:.2f}x (reported, not asserted: launch-bound at this size)")
