@@ -65,7 +65,8 @@ RESUMABLE_CHANGES = {
     "run.probe_mode", "run.probe_max_train_per_label", "run.probe_seeds", "run.probe_every_eval", "run.probe_protocol",
 }
 # how the global batch is split: may change on resume when the product with the processes is kept
-BATCH_SPLIT = {"training.per_device_train_batch_size", "training.gradient_accumulation_steps"}
+BATCH_SPLIT = {"training.per_device_train_batch_size", "training.gradient_accumulation_steps",
+               "training.global_batch_size"}
 
 
 @dataclass(frozen=True)

@@ -108,6 +108,7 @@ def preflight(cfg: Config) -> Checked:
         raise BadInput(f"the tokenizer has {len(tokenizer)} tokens but the model's vocabulary only "
                        f"{model_config.vocab_size}; pass the model's own tokenizer")
     topo = distributed.detect()
+    cfg.training.gradient_accumulation_steps = cfg.training.accumulation_for(topo.world_size)  # --global_batch_size
     fsdp_plugin = distributed.fsdp_plugin_from_launcher()
     collectives.check_fsdp_plugin(fsdp_plugin, cuda=bool(topo.cuda_devices))
     chosen = precision.choose_precision(cfg.training.mixed_precision, precision.launcher_precision(),

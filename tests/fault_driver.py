@@ -19,6 +19,9 @@ production code's environment:
   whole DDP checkpoint from a busy network filesystem), while the other ranks have loaded theirs.
 - `--kill RANK:STEP`: in the first attempt of a torchrun job only (TORCHELASTIC_RESTART_COUNT 0), rank RANK
   kills itself with SIGKILL as its heartbeat enters the data phase of step STEP (a dead GPU, an OOM kill).
+- `--kill_node STEP`: as `--kill`, on the process given this flag whatever its rank, and it kills its
+  launcher (its parent: torchrun's agent) first, as a node that dies takes its agent with it; an elastic
+  job then goes on without that node.
 - `--late RANK:S`: in a restarted attempt only (TORCHELASTIC_RESTART_COUNT above 0), rank RANK sleeps S
   seconds before it starts (a node that comes back slowly).
 - `--spike STEP:FACTOR`: the first micro-batch of step STEP has its loss multiplied by FACTOR on every
@@ -80,6 +83,12 @@ def kill_at(where: str, beat: Beat) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+def kill_node_at(step: int, beat: Beat) -> None:
+    if attempt() == 0 and (beat.step, beat.phase, beat.collective) == (step, "data", None):
+        os.kill(os.getppid(), signal.SIGKILL)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 def slow_evaluations(seconds: float) -> None:
     from mlm_ddp import evaluation
 
@@ -133,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--slow_final_s", metavar="RANK:S")
     parser.add_argument("--slow_load", metavar="RANK:S")
     parser.add_argument("--kill", metavar="RANK:STEP")
+    parser.add_argument("--kill_node", metavar="STEP", type=int)
     parser.add_argument("--late", metavar="RANK:S")
     faults, train_argv = parser.parse_known_args(argv)
     if faults.late is not None and attempt() > 0 and os.environ.get("RANK") == faults.late.split(":")[0]:
@@ -157,6 +167,8 @@ def main(argv: list[str] | None = None) -> int:
         freeze = functools.partial(stick_at, faults.stick)
     if faults.kill is not None:
         freeze = functools.partial(kill_at, faults.kill)
+    if faults.kill_node is not None:
+        freeze = functools.partial(kill_node_at, faults.kill_node)
     spike = None if faults.spike is None else OneSpike(faults.spike)
     return train_main(train_argv, Hooks(before_checkpoint_marker=slow, on_beat=freeze, loss_factor=spike))
 

@@ -11,6 +11,7 @@ process, which must start.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -62,6 +63,38 @@ def test_a_rank_killed_mid_run_is_restarted_and_the_job_ends_with_the_uninterrup
     assert max(abs(got[s] - expected[s]) / expected[s] for s in expected) <= SAME_STEPS
 
 
+def test_a_node_lost_mid_run_shrinks_the_elastic_job_which_resumes_with_its_global_batch(
+        straight: Path, tiny_model: Path, corpus: dict, tmp_path: Path) -> None:
+    """Two torchrun agents (one process each, `--nnodes 1:2`, c10d rendezvous); the second node dies in step
+    8, its agent with it. The first agent restarts its worker alone: the job resumes from step 5 on one
+    process with --global_batch_size 8 (accumulation 2 where it was 1) and ends with the uninterrupted
+    2-process run's losses."""
+    out, port = tmp_path / "run", free_port()
+    args = [*run_args(tiny_model, corpus, out), "--global_batch_size", "8"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+    def agent(name: str, faults: list[str]) -> subprocess.Popen:
+        log = open(tmp_path / f"{name}.log", "w")  # noqa: SIM115 - closed with the process
+        return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc_per_node",
+                                 "1", "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{port}", "--rdzv_id",
+                                 "shrink", "--max_restarts", "1", "--rdzv_conf",
+                                 "last_call_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=2",
+                                 "-m", "tests.fault_driver", *faults, *args],
+                                cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+    first = agent("first", [])  # hosts the rendezvous store: the node that survives
+    time.sleep(1)  # inside the rendezvous' last call: both nodes start the job
+    second = agent("second", ["--kill_node", str(KILLED)])
+    code = first.wait(timeout=600)
+    second.wait(timeout=60)
+    said = (tmp_path / "first.log").read_text()
+    assert code == 0, said[-4000:]
+    assert f"resumed from {out / 'checkpoints' / f'step-{SAVED:07d}'} at step {SAVED}, written by 2 process(es)" in said
+    expected, got = train_losses(straight), train_losses(out)
+    assert sorted(got) == list(range(1, STEPS + 1))
+    assert max(abs(got[s] - expected[s]) / expected[s] for s in expected) <= SAME_STEPS
+
+
 JOIN = """
 import os, sys
 from mlm_ddp import collectives
@@ -102,3 +135,17 @@ def test_a_partial_attempt_then_an_elastic_shrink_starts_on_the_agents_store() -
     lines = [proc.communicate(timeout=120)[0] for proc in late]
     assert [proc.returncode for proc in late] == [0, 0], lines
     assert all("joined 2 mlm_ddp/attempt-2/" in line for line in lines), lines
+
+
+@pytest.mark.parametrize(("flags", "fix"), [
+    (["--global_batch_size", "10"], "not a multiple of --per_device_train_batch_size 4 x 2 process(es) = 8"),
+    (["--global_batch_size", "8", "--gradient_accumulation_steps", "2"], "give one of them"),
+])
+def test_a_global_batch_that_cannot_be_kept_is_refused_naming_the_flags(flags: list[str], fix: str) -> None:
+    from mlm_ddp.config import parse_args
+    from mlm_ddp.errors import BadInput
+
+    with pytest.raises(BadInput, match=re.escape(fix)):
+        parse_args(["--per_device_train_batch_size", "4", *flags]).training.accumulation_for(2)
+    assert parse_args(["--per_device_train_batch_size", "4", "--global_batch_size", "16"]).training \
+        .accumulation_for(2) == 2

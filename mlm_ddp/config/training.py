@@ -64,6 +64,13 @@ class TrainingConfig:
         "Total optimizer steps; overrides --num_train_epochs. Required with --streaming.", default=None
     )
     gradient_accumulation_steps: int = _doc("Micro-batches per optimizer step.", default=1)
+    global_batch_size: int | None = _doc(
+        "Sequences per optimizer step over all processes; --gradient_accumulation_steps is then derived from it "
+        "at every start (global / (per-device batch x processes)), so a job restarted on another number of "
+        "processes (torchrun's elastic restart, a requeue on fewer nodes) keeps its global batch and resumes. "
+        "Must be a multiple of the per-device batch x processes. Default: not set (the accumulation as given).",
+        default=None,
+    )
     lr_reference_batch: int | None = _doc(
         "The global batch (sequences per optimizer step) that --learning_rate was tuned for. When this run's "
         "global batch B (per device x processes x accumulation) differs, the learning rates are multiplied by "
@@ -119,6 +126,10 @@ class TrainingConfig:
         for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps"):
             if getattr(self, name) < 1:
                 raise BadInput(f"--{name} must be at least 1, got {getattr(self, name)}")
+        if self.global_batch_size is not None and (self.global_batch_size < 1 or self.gradient_accumulation_steps != 1):
+            raise BadInput(f"--global_batch_size {self.global_batch_size} with --gradient_accumulation_steps "
+                           f"{self.gradient_accumulation_steps}: give one of them (the accumulation is derived from "
+                           "the global batch), and a global batch of at least 1 sequence")
         if self.lr_scheduler_type not in SCHEDULERS:
             why = SCHEDULERS_REFUSED.get(self.lr_scheduler_type, "not a schedule transformers knows")
             raise BadInput(f"--lr_scheduler_type {self.lr_scheduler_type}: {why}; use one of {', '.join(SCHEDULERS)}")
@@ -138,6 +149,17 @@ class TrainingConfig:
             raise BadInput(f"--cpu_threads must be at least 1, got {self.cpu_threads}")
         if self.max_train_steps is not None and self.max_train_steps < 1:
             raise BadInput(f"--max_train_steps must be at least 1, got {self.max_train_steps}")
+
+    def accumulation_for(self, world: int) -> int:
+        """Micro-batches per optimizer step on `world` processes (--global_batch_size, else as given)."""
+        if self.global_batch_size is None:
+            return self.gradient_accumulation_steps
+        per_step = self.per_device_train_batch_size * world
+        if self.global_batch_size % per_step:
+            raise BadInput(f"--global_batch_size {self.global_batch_size} is not a multiple of "
+                           f"--per_device_train_batch_size {self.per_device_train_batch_size} x {world} process(es) = "
+                           f"{per_step}: give a multiple of it, or another --per_device_train_batch_size")
+        return self.global_batch_size // per_step
 
     def check_schedule(self) -> None:
         """The warmup_stable_decay flags: given with it, and not without it."""
