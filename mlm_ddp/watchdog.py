@@ -328,14 +328,16 @@ class Watchdog:
             before = wait.first.get(record.rank)
             if record.phase == "done" or (before is not None and before.seq != record.seq):
                 continue
-            silent = before is not None and before.tick == record.tick and watched >= FROZEN_AFTER_S
+            quiet = before is not None and before.tick == record.tick  # no publication between the two looks
+            silent = quiet and watched >= FROZEN_AFTER_S
             state = process_state(record.pid) if record.space and record.space == self.space else None
             if record.seq < mine.seq or silent or state in ("exited", "stopped"):
-                suspects.append((record, silent, state))
+                suspects.append((record, silent, state, quiet))
         if not suspects:
             return None
         order = {"exited": 0, "stopped": 1}
-        record, silent, state = min(suspects, key=lambda s: (order.get(s[2], 2 if s[1] else 3), s[0].seq, s[0].rank))
+        record, silent, state, quiet = min(suspects, key=lambda s: (order.get(s[2], 2 if s[1] else 3), s[0].seq,
+                                                                      s[0].rank))
         line = (f"rank {record.rank} on {record.host} (pid {record.pid}) stopped in {record.where}; the others got as "
                 f"far as {Record.of(mine, 0).where}")
         if state == "exited":
@@ -348,8 +350,12 @@ class Watchdog:
             return Verdict(line + f"; no sign of life for {watched:.0f} s or more as seen from rank {self.rank}: its "
                                   "process exited, was killed or frozen, or its node is gone: check that node", True,
                            record.rank)
-        how = (f"has not published for {watched:.0f} s although its process runs (a call that holds the GIL?)"
-               if silent else "is alive, still there")
+        if silent:
+            how = f"has not published for {watched:.0f} s although it runs (a call that holds the GIL?)"
+        elif quiet:
+            how = f"has not published for {watched:.0f} s, too short to call it stopped"
+        else:
+            how = "is alive, still there"
         return Verdict(line + f"; its process {how} (py-spy dump --pid {record.pid} on {record.host} shows where); "
                               "the backend ends the wait at its timeout unless it arrives", False)
 

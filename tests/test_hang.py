@@ -263,6 +263,15 @@ def test_a_peer_one_step_behind_that_arrives_inside_the_margin_is_never_named() 
     assert [line is None for _, line in peers.warned] == [False, True]  # the warning is taken back
 
 
+def test_a_peer_silent_for_less_than_the_frozen_time_is_not_called_stopped() -> None:
+    """A 20 s timeout leaves 14 s between the two looks, less than FROZEN_AFTER_S: a peer on another host
+    that stopped publishing is warned about as silent for that long, neither named nor called alive."""
+    peers = Peers(2, timeout_s=20.0)
+    peers.run(4, {1: beat(1, 41, "data", None)})
+    peers.run(20, {0: beat(0, 42)}, entered=peers.now)
+    assert peers.named == [] and "too short to call it stopped" in peers.warned[0][1], peers.warned
+
+
 def test_no_alarm_in_a_long_phase_without_a_collective_among_slow_peers_or_for_a_finished_one() -> None:
     # an evaluation twice as long as the timeout (no collective until its reduce), one rank frozen: not
     # this rank's wait, so nothing is even read
