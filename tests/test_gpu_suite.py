@@ -56,8 +56,8 @@ def test_the_gpu_suite_dry_runs_on_the_cpu_without_what_a_gpu_image_lacks(tmp_pa
     assert "UNCHECKED" in proc.stdout  # the assertions that need CUDA are named
     # each test's measured time (fixtures included) beside its estimate, as it ends and in the summary; the
     # budget is checked against them on a GPU only
-    ended = re.findall(r"^\[(test_\S+): \d+\.\d s measured on cpu(?: \(skipped\))?, estimated \d+ s on one H100\]$",
-                       proc.stdout, re.MULTILINE)
+    ended = re.findall(r"^\[(test_\S+): \d+\.\d s measured on cpu(?: \(skipped\))?, estimated \d+ s on one H100"
+                       r"(?: for its \d cases)?\]$", proc.stdout, re.MULTILINE)
     assert len(ended) == passed + len(skipped) and len(set(ended)) == len(ended), ended
     assert re.search(r"^total \d+\.\d s \(budget 480 s on one H100\): the budget applies on a GPU: not checked in "
                      r"the dry run$", proc.stdout, re.MULTILINE), tail

@@ -60,6 +60,7 @@ TEST_TIMEOUT_S = 300  # the most one test may take (several launches); the dry r
 UNCHECKED: list[tuple[str, str]] = []
 MEASURED_S: dict[str, float] = {}  # test id -> seconds of its setup, call and teardown (fixtures included)
 SKIPPED: set[str] = set()
+CASES: dict[str, int] = {}  # test function -> its parametrized cases, which share its one estimate
 
 
 @dataclass(frozen=True)
@@ -350,6 +351,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if missing:
         raise pytest.UsageError(f"tests/gpu/conftest.py ESTIMATE_S has no estimate for {', '.join(missing)}")
     runs = [item for item in ours if not skipped_at_collection(item)]
+    for item in ours:
+        CASES[item.originalname] = CASES.get(item.originalname, 0) + 1
     forecast = sum(ESTIMATE_S[name] for name in {item.originalname for item in runs})
     where = torch.cuda.get_device_name(0) if ON_GPU else "the CPU (dry run, tiny sizes)"
     print(f"\nGPU suite on {where}: {len(ours)} tests, {len(ours) - len(runs)} skipped here at collection; the "
@@ -389,9 +392,10 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
 
 def time_line(nodeid: str) -> str:
     name = nodeid.rsplit("::", 1)[-1]
-    estimate = ESTIMATE_S.get(name.split("[", 1)[0], "?")
-    return (f"{name}: {MEASURED_S[nodeid]:.1f} s measured on {device()}"
-            f"{' (skipped)' if nodeid in SKIPPED else ''}, estimated {estimate} s on one H100")
+    function = name.split("[", 1)[0]
+    cases = CASES.get(function, 1)
+    return (f"{name}: {MEASURED_S[nodeid]:.1f} s measured on {device()}{' (skipped)' if nodeid in SKIPPED else ''}, "
+            f"estimated {ESTIMATE_S.get(function, '?')} s on one H100{f' for its {cases} cases' if cases > 1 else ''}")
 
 
 def budget_verdict(measured: dict[str, float], budget: float = BUDGET_S) -> tuple[float, str | None]:
