@@ -40,6 +40,7 @@ def masked_lm_metrics(loss_sum: float, masked: int, correct: int) -> dict[str, f
 # FSDP: evaluation batches each rank reads ahead of its forwards, and so the most it holds at once (plus
 # the one in the forward). Each round of this many costs one all-reduce and one host sync.
 EVAL_LOOKAHEAD = 4
+HELD_OUT = "data.validation_file"  # the setting that names the held-out files, as a resume lists its changes
 
 
 def idle_batch(device: torch.device) -> Batch:
@@ -85,30 +86,50 @@ def eval_batches(loader: DataLoader, accelerator: Accelerator) -> Iterator[Batch
         yield idle if batch is None else mdata.to_device(batch, accelerator.device)
 
 
-def evaluate_mlm(model: torch.nn.Module, loader: DataLoader | None, accelerator: Accelerator,
-                 reducing: Callable[[], None] | None = None) -> dict[str, float] | None:
+def local_sums(net: torch.nn.Module, loader: DataLoader, accelerator: Accelerator) -> torch.Tensor:
+    """This rank's (loss sum, masked tokens, correct predictions) over `loader`, on its device: (3,) float64."""
+    sums = torch.zeros(3, dtype=torch.float64, device=accelerator.device)
+    for batch in eval_batches(loader, accelerator):
+        loss_sum, masked, correct = net(**batch)
+        sums += torch.stack([check_loss_sum(loss_sum).double(), masked.double(), correct.double()])
+    return sums
+
+
+def evaluate_mlm(model: torch.nn.Module, loader: DataLoader | dict[str, DataLoader] | None, accelerator: Accelerator,
+                 reducing: Callable[[], None] | None = None) -> dict[str, Any] | None:
     """Per-token eval loss, perplexity and accuracy: sums reduced across ranks, then divided. `reducing`
-    is called as this rank enters that reduce (the heartbeat: the watchdog watches the wait there)."""
+    is called as this rank enters that reduce (the heartbeat: the watchdog watches the wait there).
+    Several held-out sources ({name: loader}): each is evaluated apart, its sums reduced in the same one
+    all-reduce, and the mix's figures are those of all their sums (`result["sources"]`: each one's)."""
     if loader is None:
         return None
+    loaders = loader if isinstance(loader, dict) else {"": loader}
     # DDP: the plain module, so ranks with different numbers of eval batches run no collectives.
     # FSDP: the forward gathers parameters from every rank, so all ranks run the same number of
-    # forwards (eval_batches).
+    # forwards (eval_batches), source after source.
     net = model if sharded(accelerator) else accelerator.unwrap_model(model)
     was_training = net.training
     net.eval()
-    sums = torch.zeros(3, dtype=torch.float64, device=accelerator.device)  # loss, masked, correct
     with torch.no_grad(), accelerator.autocast():
-        for batch in eval_batches(loader, accelerator):
-            loss_sum, masked, correct = net(**batch)
-            sums += torch.stack([check_loss_sum(loss_sum).double(), masked.double(), correct.double()])
+        sums = torch.stack([local_sums(net, each, accelerator) for each in loaders.values()])  # (sources, 3)
     net.train(was_training)
     if reducing is not None:
         reducing()
-    loss_sum, masked, correct = accelerator.reduce(sums, reduction="sum").tolist()
+    rows = accelerator.reduce(sums, reduction="sum").tolist()
+    loss_sum, masked, correct = (sum(column) for column in zip(*rows, strict=True))  # one source: its own row
     if masked == 0:
         return None
-    return masked_lm_metrics(loss_sum, int(masked), int(correct))
+    result: dict[str, Any] = masked_lm_metrics(loss_sum, int(masked), int(correct))
+    if isinstance(loader, dict):  # a source without a masked token (a few short texts) has no figures
+        result["sources"] = {name: source_metrics(*row) for name, row in zip(loaders, rows, strict=True) if row[1]}
+    return result
+
+
+def source_metrics(loss_sum: float, masked: float, correct: float) -> dict[str, float]:
+    """One held-out source's figures, as metrics.jsonl's "eval_sources" names them."""
+    figures = masked_lm_metrics(loss_sum, int(masked), int(correct))
+    return {"loss": figures["loss"], "perplexity": figures["perplexity"], "accuracy": figures["accuracy"],
+            "masked_tokens": figures["num_tokens"]}
 
 
 class Evaluator:
@@ -125,16 +146,22 @@ class Evaluator:
         self.first: dict[str, float] | None = None  # before training (of the run a resume continues)
         self.last: dict[str, float] | None = None  # the latest evaluation during training
 
-    def before_training(self, step: int, log: RunLog, resumed: bool) -> None:
-        """The evaluation before training (step 0 of metrics.jsonl); a resumed run takes its own run's."""
+    def before_training(self, step: int, log: RunLog, start: Any) -> None:
+        """The evaluation before training (step 0 of metrics.jsonl); a resumed run takes its own run's,
+        unless the held-out files changed since (`start`: run_folder.Start, its accepted changes)."""
         self.beat(step, "eval")
-        if resumed:
+        if start.resume_from is not None:
             self.first = log.first_eval()
+            if HELD_OUT in start.accepted_changes:
+                old, new = start.accepted_changes[HELD_OUT]
+                logger.warning("--validation_file changed since the evaluation before training (%s -> %s): the "
+                               "summary compares no figures before and after", old, new)
+                self.first = None
             return
         self.first = self.evaluate(step)
         if self.first:
-            logger.info("eval before training: loss %.4f, perplexity %.2f, accuracy %.3f",
-                        self.first["loss"], self.first["perplexity"], self.first["accuracy"])
+            logger.info("eval before training: loss %.4f, perplexity %.2f, accuracy %.3f%s", self.first["loss"],
+                        self.first["perplexity"], self.first["accuracy"], sources_note(self.first))
             log.write({"step": 0, "epoch": 0.0, **record_fields(self.first)}, with_tokens=False)
 
     def maybe(self, step: int, epoch: float, clock: TrainingClock) -> dict[str, Any]:
@@ -148,7 +175,8 @@ class Evaluator:
         if not self.last and not more:
             return {}
         if self.last:
-            logger.info("step %d: eval loss %.4f, perplexity %.2f", step, self.last["loss"], self.last["perplexity"])
+            logger.info("step %d: eval loss %.4f, perplexity %.2f%s", step, self.last["loss"], self.last["perplexity"],
+                        sources_note(self.last))
         return {**more, "step": step, "epoch": round(epoch, 4), **(record_fields(self.last) if self.last else {})}
 
 
@@ -165,8 +193,30 @@ class Evaluator:
 def record_fields(result: dict[str, float]) -> dict[str, float]:
     """An evaluation as metrics.jsonl names it, with the masking rate it was measured at (when known)."""
     rate = {"eval_mlm_probability": result["mlm_probability"]} if "mlm_probability" in result else {}
+    sources = {"eval_sources": result["sources"]} if "sources" in result else {}
     return {"eval_loss": result["loss"], "perplexity": result["perplexity"], "eval_accuracy": result["accuracy"],
-            **rate}
+            **rate, **sources}
+
+
+def sources_note(result: dict[str, Any]) -> str:
+    """'; general loss 2.1234, domain loss 3.4567': each held-out source's loss, for a log line."""
+    sources = result.get("sources") or {}
+    return "".join(f"{'; ' if i == 0 else ', '}{name} loss {each['loss']:.4f}"
+                   for i, (name, each) in enumerate(sources.items()))
+
+
+def sources_line(before: dict[str, Any] | None, after: dict[str, Any] | None) -> str:
+    """The closing line's part for several held-out sources: each one's loss and perplexity before -> after
+    ('' with one source)."""
+    then, now = (before or {}).get("sources") or {}, (after or {}).get("sources") or {}
+    parts = []
+    for name, each in now.items():
+        was = then.get(name)
+        loss, perplexity = f"{each['loss']:.4f}", f"{each['perplexity']:.2f}"
+        if was:  # a source the evaluation before training scored too
+            loss, perplexity = f"{was['loss']:.4f} -> {loss}", f"{was['perplexity']:.2f} -> {perplexity}"
+        parts.append(f"{name} loss {loss}, perplexity {perplexity}")
+    return f"; per source: {'; '.join(parts)}" if parts else ""
 
 
 def masked_note(*results: dict[str, float] | None) -> str:
@@ -179,3 +229,10 @@ def masked_note(*results: dict[str, float] | None) -> str:
     if len(set(rates)) == 1:
         return f" ({percent(rates[0])} masked)"
     return f" ({' -> '.join(percent(r) for r in rates)} masked)"
+
+
+def source_rows(before: dict[str, Any] | None, after: dict[str, Any] | None) -> list[tuple[str, str]]:
+    """The model card's rows for several held-out sources: each one's perplexity before -> after."""
+    then = (before or {}).get("sources") or {}
+    return [(f"held-out perplexity on {name}", (f"{then[name]['perplexity']:.2f} -> " if name in then else "")
+             + f"{each['perplexity']:.2f}") for name, each in ((after or {}).get("sources") or {}).items()]

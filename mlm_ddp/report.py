@@ -49,6 +49,8 @@ class Run:
         xs, ys = [], []
         for record in self.records:
             value = record.get(key)
+            if key.startswith(SOURCE_KEY):  # a held-out source's eval loss (--validation_file a b ...)
+                value = ((record.get("eval_sources") or {}).get(key[len(SOURCE_KEY):]) or {}).get("loss")
             where = record.get(x, 0 if x == "tokens_seen" and record["step"] == 0 else None)
             if isinstance(value, (int, float)) and isinstance(where, (int, float)):  # NaN kept: a run diverged
                 xs.append(where)
@@ -182,6 +184,25 @@ STYLES = {"loss": dict(linestyle="-", label="train"), "eval_loss": dict(linestyl
           "probe_heldout_accuracy": dict(linestyle=":", marker="^", label="probe, held-out"),
           "probe_heldout_macro_f1": dict(linestyle=":", marker="^", label="probe, held-out")}
 X_LABELS = {"step": "optimizer step", "tokens_seen": "tokens trained on"}
+SOURCE_KEY = "eval_sources/"  # + a held-out source's name: its eval loss, in Run.points
+SOURCE_MARKERS = ("o", "s", "^", "v", "D", "P", "X", "*")  # one per source; with more, no curve per source
+
+
+def source_figure(runs: Sequence[Run]) -> dict[str, tuple[Panel, ...]]:
+    """sources.png: each held-out source's eval loss (several --validation_file), where there are a few."""
+    names = list(dict.fromkeys(name for run in runs for r in run.records for name in (r.get("eval_sources") or {})))
+    if not names or len(names) > len(SOURCE_MARKERS):
+        return {}
+    keys = tuple(SOURCE_KEY + name for name in names)
+    return {"sources.png": (Panel("eval loss per held-out source", "step", keys, "loss (per masked token)"),
+                            Panel("eval loss per held-out source", "tokens_seen", keys, "loss (per masked token)"))}
+
+
+def style(key: str, keys: tuple[str, ...]) -> dict[str, Any]:
+    """A metric's line style and legend label; a held-out source's: a marker of its own."""
+    if key in STYLES:
+        return STYLES[key]
+    return dict(linestyle="--", marker=SOURCE_MARKERS[keys.index(key)], label=key[len(SOURCE_KEY):])
 
 
 def plot(runs: Sequence[Run], labels: Sequence[str], folder: Path) -> list[Path]:
@@ -199,7 +220,7 @@ def plot(runs: Sequence[Run], labels: Sequence[str], folder: Path) -> list[Path]
     folder.mkdir(parents=True, exist_ok=True)
     colors = [f"C{i % 10}" for i in range(len(runs))]
     written = []
-    for filename, panels in FIGURES.items():
+    for filename, panels in {**FIGURES, **source_figure(runs)}.items():
         if not any(run.points(key, panel.x)[0] for run in runs for panel in panels for key in panel.keys):
             continue  # e.g. probe.png of runs without a probe
         fig = Figure(figsize=(9, 3.4 + 0.25 * len(runs)), layout="constrained")
@@ -207,8 +228,8 @@ def plot(runs: Sequence[Run], labels: Sequence[str], folder: Path) -> list[Path]
             for run, color in zip(runs, colors, strict=True):
                 for key in panel.keys:
                     xs, ys = run.points(key, panel.x)
-                    style = {k: v for k, v in STYLES[key].items() if k != "label"}
-                    ax.plot(xs, ys, color=color, markersize=4, linewidth=1.4, **style)
+                    drawn = {k: v for k, v in style(key, panel.keys).items() if k != "label"}
+                    ax.plot(xs, ys, color=color, markersize=4, linewidth=1.4, **drawn)
             ax.set(title=panel.title, xlabel=X_LABELS[panel.x], ylabel=panel.ylabel)
             if panel.x == "tokens_seen":
                 ax.xaxis.set_major_formatter(short)
@@ -220,8 +241,9 @@ def plot(runs: Sequence[Run], labels: Sequence[str], folder: Path) -> list[Path]
                 ax.yaxis.set_minor_formatter(plain if high < 10 * low else NullFormatter())
             ax.grid(alpha=0.3)
             if len(panel.keys) > 1:  # which line style is which metric
-                ax.legend([Line2D([], [], color="gray", **{k: v for k, v in STYLES[key].items() if k != "label"})
-                           for key in panel.keys], [STYLES[key]["label"] for key in panel.keys], fontsize=8)
+                ax.legend([Line2D([], [], color="gray", **{k: v for k, v in style(key, panel.keys).items()
+                                                            if k != "label"}) for key in panel.keys],
+                          [style(key, panel.keys)["label"] for key in panel.keys], fontsize=8)
         fig.legend([Line2D([], [], color=c, linewidth=2) for c in colors], labels, loc="outside lower center",
                    fontsize=8, frameon=False)
         path = folder / filename

@@ -30,7 +30,7 @@ from mlm_ddp.collectives import MainProcessWait, patient_collectives
 from mlm_ddp.config import Config
 from mlm_ddp.durable import write_atomic
 from mlm_ddp.errors import EXIT_REQUEUE, AlreadyFinished, BadInput
-from mlm_ddp.evaluation import masked_note
+from mlm_ddp.evaluation import HELD_OUT, masked_note, source_rows
 from mlm_ddp.masking import describe_masking
 from mlm_ddp.model import checkpoint_dtype, from_scratch, inner_state_dict
 from mlm_ddp.report import write_report
@@ -60,8 +60,8 @@ RESUMABLE_CHANGES = {
     "model.trust_remote_code", "model.low_cpu_mem_usage", "model.gradient_checkpointing",
     # the downstream probe reads the model; it changes nothing a step computes
     "run.probe_train_file", "run.probe_test_file", "run.probe_text_column", "run.probe_label_column",
-    # what is evaluated, not what a step computes
-    "data.eval_mlm_probability",
+    # what is evaluated, not what a step computes (held-out files: not whether there are any, see check_resume)
+    "data.eval_mlm_probability", HELD_OUT,
     "run.probe_mode", "run.probe_max_train_per_label", "run.probe_seeds", "run.probe_every_eval", "run.probe_protocol",
 }
 # how the global batch is split: may change on resume when the product with the processes is kept
@@ -129,6 +129,8 @@ def config_changes(saved: dict, current: dict) -> dict[str, tuple[object, object
         old, new = saved.get(section) or {}, current.get(section) or {}
         for key in sorted(set(old) | set(new)):
             before = old[key] if key in old else defaults.get(section, {}).get(key)
+            if isinstance(before, str) and isinstance(new.get(key), list):  # a single value, before lists
+                before = [before]
             if before != new.get(key):
                 changes[f"{section}.{key}"] = (before, new.get(key))
     return changes
@@ -144,7 +146,9 @@ def check_resume(path: Path, current: dict, world_size: int, sharded: bool = Fal
     old_batch, old_accumulation = _batch_split(saved)
     check_global_batch(path, (old_batch, state.world_size, old_accumulation), (*_batch_split(current), world_size))
     changes = config_changes(saved, current)
-    refused = {k: v for k, v in changes.items() if k not in RESUMABLE_CHANGES | BATCH_SPLIT | accepted}
+    # without --validation_file a share of the training text is held out: adding or dropping one changes training
+    refused = {k: v for k, v in changes.items()
+               if k not in RESUMABLE_CHANGES | BATCH_SPLIT | accepted or (k == HELD_OUT and None in v)}
     if refused:
         listed = "; ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in refused.items())
         raise BadInput(
@@ -478,6 +482,7 @@ def model_card(cfg: Config, steps: int, tokens: int, eval_before: dict[str, floa
         if result:
             rows.append((f"held-out perplexity {name} training{masked_note(result)}",
                          f"{result['perplexity']:.2f} (masked-token accuracy {result['accuracy']:.3f})"))
+    rows += source_rows(eval_before, eval_after)
     table = "\n".join(f"| {key} | {value} |" for key, value in rows)
     return (f"---\n{yaml.safe_dump(meta, sort_keys=False)}---\n\n# {Path(cfg.run.output_dir).resolve().name}\n\n"
             f"{origin} on {source}, trained with mlm_ddp.\n\n{branch.card_line(cfg)}"

@@ -83,6 +83,17 @@ class StepSums:
         return loss_sum, masked, tokens
 
 
+def tracked(record: dict[str, Any]) -> dict[str, float]:
+    """A record as the trackers take it: numbers only (a tag such as the probe's "before" is for metrics.jsonl;
+    MLflow takes no text), each held-out source's figures as 'eval_loss/NAME', 'perplexity/NAME' and
+    'eval_accuracy/NAME' (a tracker takes one level of names)."""
+    flat = {k: v for k, v in record.items() if k not in ("step", "eval_sources") and not isinstance(v, str)}
+    for name, each in (record.get("eval_sources") or {}).items():
+        flat.update({f"eval_loss/{name}": each["loss"], f"perplexity/{name}": each["perplexity"],
+                     f"eval_accuracy/{name}": each["accuracy"]})
+    return flat
+
+
 def read_metrics_lines(path: Path) -> list[tuple[str, dict[str, Any]]]:
     """(line, record) of each line of a metrics.jsonl. A cut last line (a run killed while writing
     it) is dropped; any other broken line is a BadInput naming it, raised in the preflight on every
@@ -296,16 +307,14 @@ class RunLog:
             with open(self.path, "a") as handle:
                 handle.write(json.dumps(record) + "\n")
         if self.trackers:
-            # numbers only: a tag such as the probe's "before" is for metrics.jsonl (MLflow takes no text)
-            self.accelerator.log({k: v for k, v in record.items() if k != "step" and not isinstance(v, str)},
-                                 step=record["step"])
+            self.accelerator.log(tracked(record), step=record["step"])
 
     def origins(self) -> list[Path]:
         """Where the records before training of the run this one resumes are: its own metrics.jsonl, then, for
         a decay branch, its source run's."""
         return [path for path in (self.path, self.source) if path is not None and path.exists()]
 
-    def first_eval(self) -> dict[str, float] | None:
+    def first_eval(self) -> dict[str, Any] | None:
         """The evaluation before training of the run this one resumes (its step-0 line)."""
         for path in self.origins():
             for _line, record in read_metrics_lines(path):
@@ -313,7 +322,8 @@ class RunLog:
                     return {"loss": record["eval_loss"], "perplexity": record["perplexity"],
                             "accuracy": record["eval_accuracy"],
                             **({"mlm_probability": record["eval_mlm_probability"]}
-                               if "eval_mlm_probability" in record else {})}
+                               if "eval_mlm_probability" in record else {}),
+                            **({"sources": record["eval_sources"]} if "eval_sources" in record else {})}
         return None
 
     def close(self) -> None:

@@ -177,7 +177,8 @@ def submit(args: SubmitConfig, train_argv: list[str]) -> Any:
         raise BadInput(f"--overwrite_output_dir: every attempt of this job, requeues included, resumes "
                           f"--output_dir {out} (--resume_from_checkpoint auto), so it cannot erase it; remove "
                           f"{out} yourself or choose another --output_dir, and submit without --overwrite_output_dir")
-    for flag, value in (("--train_file", cfg.data.train_file), ("--validation_file", cfg.data.validation_file)):
+    files = [("--train_file", cfg.data.train_file), *(("--validation_file", f) for f in cfg.data.validation_file or [])]
+    for flag, value in files:
         if value is not None and not Path(value).is_file():
             raise BadInput(f"{flag} {value}: no such file (the job would fail on it)")
     job_dir = writable_job_dir(Path(args.job_dir or Path(cfg.run.output_dir) / "submitit"))

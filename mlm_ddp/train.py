@@ -34,7 +34,7 @@ from mlm_ddp import checkpoint as ckpt
 from mlm_ddp import data as mdata
 from mlm_ddp.config import Config, parse_args
 from mlm_ddp.errors import EXIT_FAILED, BadInput, Preempted, RunEnded, say
-from mlm_ddp.evaluation import Evaluator, masked_note
+from mlm_ddp.evaluation import Evaluator, masked_note, sources_line
 from mlm_ddp.heartbeat import Beat, Heartbeat, diagnose
 from mlm_ddp.hub import check_hub, push
 from mlm_ddp.model import load_model, load_model_config, load_tokenizer, max_positions
@@ -258,7 +258,7 @@ def fit(run: Training, stop: ckpt.StopSignals) -> int:
     the same collectives in the same order: one all-reduce per step, plus those of the steps that log,
     evaluate or save."""
     step = run.start.step
-    run.evaluator.before_training(step, run.log, resumed=run.checked.start.resume_from is not None)
+    run.evaluator.before_training(step, run.log, run.checked.start)
     run.log.begin()
     run.model.train()
     unread: tuple[int, StepResult] | None = None  # a step whose skip (a device tensor) is not read yet
@@ -448,7 +448,7 @@ def summary_line(result: TrainResult) -> str:
     elif after:  # no evaluation before training on record (e.g. --validation_split_percentage changed)
         line += (f"; eval{masked_note(after)} loss {after['loss']:.4f}, perplexity {after['perplexity']:.2f}, "
                  f"accuracy {after['accuracy']:.3f}")
-    return line + probing.line(result.probe) + f"; model in {result.final_dir}"
+    return line + sources_line(before, after) + probing.line(result.probe) + f"; model in {result.final_dir}"
 
 
 def setup_logging() -> None:

@@ -9,6 +9,8 @@ from typing import Any, Literal
 from mlm_ddp.errors import BadInput
 from mlm_ddp.masking import check_masking
 
+DEFAULT_SPLIT_PERCENTAGE = 5.0  # --validation_split_percentage
+
 
 def _doc(text: str, **kwargs: Any) -> Any:
     """A dataclass field whose documentation is its `--help` text."""
@@ -123,8 +125,10 @@ class DataConfig:
     train_file: str | None = _doc(
         "Training text: a .txt (one text per line), .json/.jsonl, .csv or .parquet file.", default=None
     )
-    validation_file: str | None = _doc(
-        "Held-out text, same formats as --train_file. Without it, a split of the training data is held out.",
+    validation_file: list[str] | None = _doc(
+        "Held-out text, same formats as --train_file. Without it, a split of the training data is held out. "
+        "Several files (e.g. general.txt domain.txt; a list in a YAML) are each evaluated apart, named by "
+        "their file stems, and as their mix (docs/data.md 'Evaluating several sources').",
         default=None,
     )
     prepared_data: str | None = _doc(
@@ -136,7 +140,7 @@ class DataConfig:
     validation_split_percentage: float = _doc(
         "Percent of training texts held out for evaluation when there is no validation set "
         "(streaming: the first max_eval_samples texts instead).",
-        default=5.0,
+        default=DEFAULT_SPLIT_PERCENTAGE,
     )
     streaming: bool = _doc(
         "Read the data as a stream (a datasets IterableDataset): nothing is tokenized ahead of time. "
@@ -194,13 +198,23 @@ class DataConfig:
     )
     max_eval_samples: int | None = _doc(
         "Evaluate on at most this many sequences (as --max_train_samples counts them); with --streaming, "
-        "this many raw texts (default 1000).",
+        "this many raw texts (default 1000). Several --validation_file sources: this many of each.",
         default=None,
     )
     preprocessing_num_workers: int | None = _doc("Processes for tokenization (map-style).", default=None)
     dataloader_num_workers: int = _doc("DataLoader worker processes per rank.", default=0)
 
     def __post_init__(self) -> None:
+        if isinstance(self.validation_file, str):  # a YAML's single file, or a config.yaml written before lists
+            self.validation_file = [self.validation_file]
+        if self.validation_file is not None:
+            self.validation_file = [str(f) for f in self.validation_file]
+            if not self.validation_file:
+                raise BadInput("--validation_file: give at least one file, or leave the flag out")
+            if len(self.validation_file) > 1 and self.validation_split_percentage != DEFAULT_SPLIT_PERCENTAGE:
+                raise BadInput(f"--validation_file gives {len(self.validation_file)} held-out sources and "
+                               f"--validation_split_percentage {self.validation_split_percentage:g} asks to hold out "
+                               "a share of the training text: give one of the two")
         check_masking(self.mlm_probability, self.mask_replace_prob, self.random_replace_prob)
         check_masking(self.eval_mlm_probability, 0.8, 0.1, rate_flag="--eval_mlm_probability")
         if self.max_seq_length < 8:

@@ -56,20 +56,24 @@ class RankData:
     train_ds: Any
     train_loader: DataLoader
     train_collator: MaskingCollator
-    eval_loader: DataLoader | None
+    eval_loader: DataLoader | dict[str, DataLoader] | None  # {name: loader}: several held-out sources
     total_steps: int
     note: str  # what the start-up log says about the data
 
 
 def rank_data(data: DataConfig, training: TrainingConfig, tokenizer: Any, raw_train: AnyDataset,
-              raw_eval: AnyDataset | None, accelerator: Any, preprocessing_timeout: int,
+              raw_eval: AnyDataset | dict[str, AnyDataset] | None, accelerator: Any, preprocessing_timeout: int,
               layout_batch: int | None = None) -> RankData:
     """Tokenize and pack (the main process first, the others then load its cache), and this rank's
     loaders with their masking collators; `layout_batch`: see `train_loader`."""
     rank, world = accelerator.process_index, accelerator.num_processes
     with patient_main_process_first(accelerator, preprocessing_timeout):
         train_ds = rank_dataset(raw_train, tokenizer, data, rank, world, shuffle_seed=training.seed)
-        eval_ds = None if raw_eval is None else rank_dataset(raw_eval, tokenizer, data, rank, world)
+        if isinstance(raw_eval, dict):  # several held-out sources: each tokenized, packed and sharded on its
+            # own, so that its blocks and masks are those it has as the only --validation_file
+            eval_ds = {name: rank_dataset(raw, tokenizer, data, rank, world) for name, raw in raw_eval.items()}
+        else:
+            eval_ds = None if raw_eval is None else rank_dataset(raw_eval, tokenizer, data, rank, world)
     common = dict(whole_word_mask=data.whole_word_mask, seed=training.seed,
                   pad_to=data.max_seq_length if data.pad_to_max_length else 0)
     train_collator = MaskingCollator.for_tokenizer(
@@ -82,9 +86,14 @@ def rank_data(data: DataConfig, training: TrainingConfig, tokenizer: Any, raw_tr
     pin = accelerator.device.type == "cuda"
     train_dl = train_loader(train_ds, train_collator, training.per_device_train_batch_size, rank, world,
                             training.seed, data.dataloader_num_workers, layout_batch, pin)
-    eval_dl = None if eval_ds is None else eval_loader(
-        eval_ds, eval_collator,
-        training.per_device_eval_batch_size, rank, world, data.dataloader_num_workers, pin)
+    def held_out(ds: Any) -> DataLoader:
+        return eval_loader(ds, eval_collator, training.per_device_eval_batch_size, rank, world,
+                           data.dataloader_num_workers, pin)
+
+    if isinstance(eval_ds, dict):
+        eval_dl = {name: held_out(ds) for name, ds in eval_ds.items()}
+    else:
+        eval_dl = None if eval_ds is None else held_out(eval_ds)
     if is_stream(train_ds):
         return RankData(train_ds, train_dl, train_collator, eval_dl, training.max_train_steps,
                         f"streaming, tokenized on the fly; {stream_sharding(raw_train.num_shards, world)}; "

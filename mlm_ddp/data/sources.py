@@ -91,7 +91,11 @@ def resolve(data: DataConfig) -> Corpus:
                        "dataset folder)")
     splits = {"train": expand(data.train_file, "--train_file"), "eval": []}
     if data.validation_file is not None:
-        splits["eval"] = expand(data.validation_file, "--validation_file")
+        if len(data.validation_file) > 1:
+            raise BadInput(f"--validation_file: prepare writes one held-out set, not {len(data.validation_file)} "
+                           "(a folder or a glob joins several files into it); to evaluate sources apart, train "
+                           "from the raw files")
+        splits["eval"] = expand(data.validation_file[0], "--validation_file")
     builders = {SUFFIX_BUILDERS[p.suffix.lower()] for files in splits.values() for p in files}
     if len(builders) > 1:
         raise BadInput(f"the input files mix formats ({', '.join(sorted(builders))}); give files of one format")

@@ -61,15 +61,18 @@ def first_columns(ds: IterableDataset, source: str) -> list[str]:
     return list(first)
 
 
-def load_text(cfg: DataConfig, seed: int) -> tuple[AnyDataset, AnyDataset | None]:
+def load_text(cfg: DataConfig, seed: int) -> tuple[AnyDataset, AnyDataset | dict[str, AnyDataset] | None]:
     """(train, eval) raw text datasets, each with the text in `cfg.text_column`.
 
-    eval is None only when there is no validation set and validation_split_percentage is 0.
+    eval is None only when there is no validation set and validation_split_percentage is 0; with several
+    --validation_file sources it is {name: dataset} (`source_names`), in the order given.
     """
     if cfg.prepared_data is not None:
         raise BadInput(f"--prepared_data {cfg.prepared_data} holds token ids, not text; give the text it was "
                        "prepared from (--train_file)")
     if cfg.train_file is None and cfg.dataset_name is None:
+        if cfg.validation_file is not None:  # it was once ignored here, silently
+            raise BadInput("--validation_file goes with --train_file: the embedded corpus holds its own texts out")
         texts = [t for t in embedded_corpus() if t]
         raw: Any = Dataset.from_dict({cfg.text_column: texts})
         if cfg.streaming:
@@ -79,10 +82,11 @@ def load_text(cfg: DataConfig, seed: int) -> tuple[AnyDataset, AnyDataset | None
     elif cfg.train_file is not None:
         data_files = {"train": cfg.train_file}
         builder = _builder_for(cfg.train_file, "--train_file")
-        if cfg.validation_file is not None:
-            if _builder_for(cfg.validation_file, "--validation_file") != builder:
-                raise BadInput("--train_file and --validation_file must have the same format")
-            data_files["validation"] = cfg.validation_file
+        source_names(cfg.validation_file or [])  # one file given twice is refused before anything is read
+        for split, path in zip(eval_splits(cfg.validation_file), cfg.validation_file or [], strict=False):
+            if _builder_for(path, "--validation_file") != builder:
+                raise BadInput(f"--train_file {cfg.train_file} and --validation_file {path} must have the same format")
+            data_files[split] = path
         splits = _load(builder, None, data_files, cfg.streaming, f"--train_file {cfg.train_file}")
         source = cfg.train_file
     else:
@@ -95,20 +99,19 @@ def load_text(cfg: DataConfig, seed: int) -> tuple[AnyDataset, AnyDataset | None
             raise BadInput("--validation_file goes with --train_file, not with --dataset_name")
 
     train = splits["train"]
-    evaluation = splits.get("validation")
-    for name, ds in (("train", train), ("validation", evaluation)):
-        if ds is None:
-            continue
-        if name == "train":
-            where = source
-        else:
-            where = cfg.validation_file or f"{source} (validation)"
+    files = cfg.validation_file or [f"{source} (validation)"]
+    held_out = [(where, splits[split]) for split, where in zip(eval_splits(files), files, strict=True)
+                if split in splits]
+    for where, ds in ((source, train), *held_out):
         if isinstance(ds, IterableDataset):
             check_columns(first_columns(ds, where), cfg.text_column, where)
         else:
             check_columns(ds.column_names, cfg.text_column, where)
             if len(ds) == 0:
                 raise BadInput(f"{where}: holds no texts")
+    evaluation = splits.get("validation")
+    if len(held_out) > 1:  # several sources, each evaluated apart (evaluation.py), by name
+        evaluation = dict(zip(source_names(files), (ds for _, ds in held_out), strict=True))
 
     if evaluation is None and cfg.validation_split_percentage > 0:
         if isinstance(train, IterableDataset):
@@ -124,9 +127,43 @@ def load_text(cfg: DataConfig, seed: int) -> tuple[AnyDataset, AnyDataset | None
     if isinstance(train, IterableDataset):  # a stream's sequences are only known once read: count texts
         if cfg.max_train_samples is not None:
             train = train.take(cfg.max_train_samples)
-        if evaluation is not None and cfg.max_eval_samples is not None:
+        if isinstance(evaluation, dict) and cfg.max_eval_samples is not None:
+            evaluation = {name: ds.take(cfg.max_eval_samples) for name, ds in evaluation.items()}
+        elif evaluation is not None and cfg.max_eval_samples is not None:
             evaluation = evaluation.take(cfg.max_eval_samples)
     return train, evaluation
+
+
+def eval_splits(files: list[str] | None) -> list[str]:
+    """The split each held-out file is loaded as: 'validation' (as before several were taken), then
+    'validation_2', 'validation_3'..."""
+    return ["validation", *(f"validation_{i}" for i in range(2, len(files or []) + 1))]
+
+
+def source_names(paths: list[str]) -> list[str]:
+    """Each held-out file's name in the records: its stem, or where stems collide as much of its path as
+    tells it apart (a/general.txt and b/general.txt: 'general.txt' is no better, so 'a/general' and
+    'b/general'). One file given twice is refused."""
+    resolved = [Path(p).resolve() for p in paths]
+    for i, path in enumerate(resolved):
+        if path in resolved[:i]:
+            first = paths[resolved.index(path)]
+            raise BadInput(f"--validation_file {paths[i]}: given twice{f' (as {first})' if first != paths[i] else ''}; "
+                           "give each held-out file once")
+
+    def named(path: Path, level: int) -> str:  # 0: the stem, 1: the file name, k > 1: k - 1 folders and the stem
+        return path.stem if level == 0 else path.name if level == 1 else "/".join([*path.parts[-level:-1], path.stem])
+
+    levels = [0] * len(paths)
+    while True:
+        names = [named(p, level) for p, level in zip(resolved, levels, strict=True)]
+        clashing = [i for i, name in enumerate(names) if names.count(name) > 1]
+        if not clashing:
+            return names
+        if any(levels[i] >= len(resolved[i].parts) for i in clashing):
+            raise BadInput(f"--validation_file: two files are both named {names[clashing[0]]!r}; rename one")
+        for i in clashing:
+            levels[i] += 1
 
 
 def _load(path: str, name: str | None, data_files: dict | None, streaming: bool, flag: str) -> dict:
