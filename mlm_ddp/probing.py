@@ -101,7 +101,7 @@ def score_here(run: RunConfig, accelerator: Accelerator, model: str, name: str,
     except Exception as err:  # the model is saved already: the run goes on and says what failed
         logger.warning("the probe %s failed (%s: %s); the run goes on without it", name, type(err).__name__, err)
         return None
-    logger.info("probe %s (%s, %s protocol, %s seeds, %d of %d training texts each): accuracy %.4f ± %.4f, macro-F1 "
+    logger.info("probe %s (%s, %s protocol, seeds: %s, %d of %d training texts each): accuracy %.4f ± %.4f, macro-F1 "
                 "%.4f ± %.4f; majority class %.4f", name, figures["mode"], figures["protocol"], figures["seeds"],
                 figures["n_train"], figures["n_train_available"], figures["accuracy"], figures["accuracy_std"],
                 figures["macro_f1"], figures["macro_f1_std"], figures["majority_accuracy"])
@@ -224,7 +224,7 @@ def add_to_card(final: Path, probed: dict[str, Any] | None, cfg: RunConfig, is_m
     if used is None:
         return
     section = ("\n## Downstream probe\n\n"
-               f"`python -m mlm_ddp.probe` ({used['mode']}, {used['protocol']} protocol, {used['seeds']} seeds, "
+               f"`python -m mlm_ddp.probe` ({used['mode']}, {used['protocol']} protocol, seeds: {used['seeds']}, "
                f"{used['n_train']} of {used['n_train_available']} labeled training texts) on "
                f"`{Path(cfg.probe_train_file).name}` / `{Path(cfg.probe_test_file).name}`:\n\n"
                "| model | accuracy | macro-F1 | majority class |\n| --- | ---: | ---: | ---: |\n"
