@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import shlex
 import shutil
 from pathlib import Path
 
@@ -74,6 +75,12 @@ def test_a_yaml_list_and_a_single_file_both_parse(tmp_path: Path) -> None:
     recipe.write_text(yaml.safe_dump({"validation_file": "valid.txt"}))  # a config.yaml of before lists
     assert parse_args(["--config", str(recipe)]).data.validation_file == ["valid.txt"]
     assert parse_args(["--validation_file", "a.txt", "b.txt"]).data.validation_file == ["a.txt", "b.txt"]
+
+
+def test_the_cards_command_line_gives_the_held_out_files_back() -> None:
+    for files in (["valid.txt"], ["general.txt", "my domain.txt"]):
+        cfg = parse_args(["--train_file", "t.txt", "--validation_file", *files])
+        assert parse_args(shlex.split(cfg.command_line())[3:]).data.validation_file == files
 
 
 def test_a_checkpoint_written_before_lists_names_its_file_as_one_source_and_trackers_get_flat_names() -> None:

@@ -63,7 +63,9 @@ class Config:
         defaults = Config().to_dict()
         for section, values in self.to_dict().items():
             for name, value in values.items():
-                if value is not None and value != defaults[section][name]:
+                if isinstance(value, list) and value != defaults[section][name]:  # --validation_file a b
+                    words += [f"--{name}", *map(str, value)]
+                elif value is not None and value != defaults[section][name]:
                     words += [f"--{name}", str(value).lower() if isinstance(value, bool) else str(value)]
         return shlex.join(words)
 
