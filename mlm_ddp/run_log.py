@@ -94,6 +94,14 @@ def tracked(record: dict[str, Any]) -> dict[str, float]:
     return flat
 
 
+def tracker_config(cfg: Config) -> dict[str, Any]:
+    """The settings as the trackers take them: flat, scalars only; a list (--validation_file's files) as one
+    string, so that one file is logged as it was before the flag took several."""
+    values = {k: v for section in cfg.to_dict().values() for k, v in section.items()}
+    return {k: ", ".join(map(str, v)) if isinstance(v, list) else v for k, v in values.items()
+            if isinstance(v, (int, float, str, bool, list))}
+
+
 def read_metrics_lines(path: Path) -> list[tuple[str, dict[str, Any]]]:
     """(line, record) of each line of a metrics.jsonl. A cut last line (a run killed while writing
     it) is dropped; any other broken line is a BadInput naming it, raised in the preflight on every
@@ -225,8 +233,7 @@ class RunLog:
             logger.info("tracking with %s: project %s, run %s%s", ", ".join(trackers), TRACKING_PROJECT,
                         out.resolve().name, f"; not installed, so not used: {', '.join(skipped)}" if skipped else "")
             accelerator.init_trackers(TRACKING_PROJECT, init_kwargs=tracker_kwargs(out, trackers),
-                                      config={k: v for s in cfg.to_dict().values() for k, v in s.items()
-                                              if isinstance(v, (int, float, str, bool))})
+                                      config=tracker_config(cfg))
         self.since_log = StepSums.zeros(accelerator.device)
         self.trained = torch.zeros((), dtype=torch.float64, device=accelerator.device)  # this rank's tokens
         self.start_step = start_step

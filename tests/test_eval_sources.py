@@ -18,7 +18,7 @@ from mlm_ddp import run_folder
 from mlm_ddp.config import Config, parse_args
 from mlm_ddp.data.text import source_names
 from mlm_ddp.errors import BadInput
-from mlm_ddp.run_log import tracked
+from mlm_ddp.run_log import tracked, tracker_config
 from mlm_ddp.train import main
 from tests.conftest import NO_DROPOUT, SAME_STEPS, corpus_paragraphs, read_metrics, run_module, tiny_args, train_losses
 from tests.test_fsdp import FSDP_ENV, launch
@@ -92,6 +92,9 @@ def test_a_checkpoint_written_before_lists_names_its_file_as_one_source_and_trac
     assert list(run_folder.config_changes(saved, current)) == ["data.validation_file"]
     record = {"step": 2, "eval_loss": 2.0, "tag": "x",
               "eval_sources": {"a": {"loss": 1.0, "perplexity": 2.7, "accuracy": 0.5, "masked_tokens": 9}}}
+    cfg = parse_args(["--validation_file", "a.txt", "b.txt"])
+    assert tracker_config(cfg)["validation_file"] == "a.txt, b.txt"
+    assert tracker_config(parse_args(["--validation_file", "a.txt"]))["validation_file"] == "a.txt"  # as before
     assert tracked(record) == {"eval_loss": 2.0, "eval_loss/a": 1.0, "perplexity/a": 2.7, "eval_accuracy/a": 0.5}
 
 
