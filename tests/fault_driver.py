@@ -15,6 +15,8 @@ production code's environment:
   validation split: a long phase without a collective).
 - `--slow_final_s RANK:S`: rank RANK sleeps S seconds in its final phase, after final/ is saved (a slow
   report or tracker upload), while the other ranks have finished.
+- `--slow_state_dict RANK:S`: rank RANK sleeps S seconds before it gathers the model's state dict for
+  final/ (under FSDP the others wait in the gather's collectives on the training group).
 - `--slow_load RANK:S`: rank RANK sleeps S seconds before it loads a checkpoint (a resume that reads a
   whole DDP checkpoint from a busy network filesystem), while the other ranks have loaded theirs.
 - `--kill RANK:STEP`: in the first attempt of a torchrun job only (TORCHELASTIC_RESTART_COUNT 0), rank RANK
@@ -141,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--slow_eval_s", type=float)
     parser.add_argument("--slow_final_s", metavar="RANK:S")
     parser.add_argument("--slow_load", metavar="RANK:S")
+    parser.add_argument("--slow_state_dict", metavar="RANK:S")
     parser.add_argument("--kill", metavar="RANK:STEP")
     parser.add_argument("--kill_node", metavar="STEP", type=int)
     parser.add_argument("--late", metavar="RANK:S")
@@ -161,6 +164,10 @@ def main(argv: list[str] | None = None) -> int:
         from accelerate import Accelerator
 
         delay_on_rank(faults.slow_load, Accelerator, "load_state")
+    if faults.slow_state_dict is not None:
+        from accelerate import Accelerator
+
+        delay_on_rank(faults.slow_state_dict, Accelerator, "get_state_dict")
     slow = None if faults.slow_save_s is None else functools.partial(time.sleep, faults.slow_save_s)
     freeze = None if faults.freeze is None else functools.partial(freeze_at, faults.freeze)
     if faults.stick is not None:

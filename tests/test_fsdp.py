@@ -314,6 +314,18 @@ def test_a_slow_shard_write_waits_for_save_timeout_not_ddp_timeout(save_timeout:
     assert (out / "checkpoints" / "step-0000002" / ckpt.MARKER).exists() == finishes
 
 
+def test_a_slow_rank_in_final_s_state_dict_gather_waits_for_save_timeout(tiny_fresh_head: Path, corpus: dict,
+                                                                          tmp_path: Path) -> None:
+    """Issue 44, finding 5: final/'s FSDP state-dict gather ran on the training group at --ddp_timeout.
+    Rank 1 gathers 8 s late against a 3 s --ddp_timeout: with --save_timeout 60 the run finishes."""
+    out = tmp_path / "run"
+    proc = run_module(launch("fsdp.yaml", tiny_fresh_head, corpus, out, "--max_train_steps", "1", "--ddp_timeout",
+                             "3", "--save_timeout", "60", module=("tests.fault_driver", "--slow_state_dict", "1:8")),
+                      env=FSDP_ENV, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (out / "final" / "model.safetensors").exists()
+
+
 def test_kill_9_during_a_sharded_save_leaves_nothing_latest_would_pick(tiny_model: Path, corpus: dict,
                                                                      tmp_path: Path) -> None:
     out = tmp_path / "run"
