@@ -4,9 +4,10 @@ Each rank keeps one small file, `output_dir/heartbeat/rank-00003.json`, rewritte
 `pwrite` (no fsync, no collective) whenever it enters a phase of a step (`PHASES`) or a collective:
 its step, phase, the collective it entered (if any), the time, and `seq`, the number of beats so far.
 Every rank runs the same loop, so it makes the same beats in the same order: `seq` compares progress
-across ranks. A daemon thread also rewrites `alive` every `ALIVE_EVERY_S`, so a process that is
-frozen (SIGSTOP, a dead node) is told apart from one that is alive but stuck, and runs the run's
-watchdog (watchdog.py), which judges the peers from the process group's store, never from these files.
+across ranks. A daemon thread runs the run's watchdog (watchdog.py) every `ALIVE_EVERY_S`: it publishes
+this rank's record to the process group's store, with a tick that tells a frozen process (SIGSTOP, a
+dead node) from one alive but stuck, and judges the peers from there, never from these files; it never
+writes these files, so a write stuck on a network filesystem cannot silence it.
 
 After a run, `python -m mlm_ddp.distributed --diagnose OUTPUT_DIR` names the rank whose progress
 stopped first (`diagnose`): the hang a watchdog named, if one did; else, from the files alone, the
@@ -65,7 +66,7 @@ class Beat:
     collective: str | None  # the collective entered in this phase, until it returns
     at: float  # when this phase or collective was entered (time.time())
     seq: int  # beats so far: the same on every rank at the same point of the loop
-    alive: float  # the last time the process was seen running (the beat, or the alive thread)
+    alive: float  # when this rank last beat (time.time(); kept for files of earlier versions)
 
 
 class Watcher(Protocol):
@@ -167,10 +168,10 @@ class Heartbeat:
             self._say_once("watch", self._watch_failed(err))
 
     def _keep_alive(self) -> None:
-        """Every ALIVE_EVERY_S: the watchdog's tick, then `alive` in the file. The tick never waits for the
-        file: a write stuck on a network filesystem (under the lock, in the main thread or here) must not
-        stop this rank's publications, or its peers would call it frozen. Nothing it meets ends it, but the
-        watchdog's own verdict (which ends the process)."""
+        """Every ALIVE_EVERY_S: the watchdog's tick (publish this rank's record, follow its wait). It never
+        touches the heartbeat file: a write stuck on a network filesystem must not stop this rank's
+        publications, or its peers would call it silent. Nothing it meets ends it, but the watchdog's own
+        verdict (which ends the process)."""
         while not self._closed.wait(ALIVE_EVERY_S):
             mine, entered = self.current
             if self.watch is not None:
@@ -178,13 +179,6 @@ class Heartbeat:
                     self.watch.tick(mine, entered)
                 except Exception as err:  # noqa: BLE001 - e.g. the store's host is gone: the backend reports it
                     self._say_once("watch", self._watch_failed(err) + "; it keeps trying")
-            if self._lock.acquire(blocking=False):  # busy: the main thread is writing a newer beat anyway
-                try:
-                    if not self._closed.is_set():
-                        self.last.alive = time.time()
-                        self._write()
-                finally:
-                    self._lock.release()
 
     @staticmethod
     def _watch_failed(err: Exception) -> str:

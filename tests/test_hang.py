@@ -459,6 +459,13 @@ def test_publications_go_on_while_a_heartbeat_write_is_stuck_and_done_is_never_o
         ticks = dog.ticks
         time.sleep(3 * ALIVE_EVERY_S)
         assert dog.ticks >= ticks + 2
+    write, stuck = heart._write, threading.Event()
+    heart._write = lambda: stuck.wait(60)  # every write of the file hangs, whichever thread makes it
+    ticks = dog.ticks
+    time.sleep(3 * ALIVE_EVERY_S)
+    assert dog.ticks >= ticks + 2
+    stuck.set()
+    heart._write = write
     older = heart.current[0]
     heart.close()
     dog.publish(older)  # the alive thread's record of before, arriving late
