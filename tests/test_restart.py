@@ -1,6 +1,7 @@
 """A torchrun restart is a resume (real torchrun, its elastic agent and its one store for every attempt):
 rank 1 is SIGKILLed in step 8; the agent restarts both workers, which resume from the checkpoint of step
-5 and end with the uninterrupted run's losses, also when rank 1 comes back 12 s late (past --ddp_timeout).
+5 and end with the uninterrupted run's losses, also when rank 1 comes back 12 s late (past --ddp_timeout),
+and under `accelerate launch --max_restarts 1`.
 
 And what a restart leaves in the store: attempt 0's keys are all there for attempt 1 (torchrun scopes
 none), so a start-up of ours that read them passed early or never matched. Here, on one real TCPStore
@@ -19,17 +20,24 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import NO_DROPOUT, REPO, SAME_STEPS, free_port, tiny_args, train_losses
+from tests.conftest import CONFIGS, LAUNCH, NO_DROPOUT, REPO, SAME_STEPS, free_port, tiny_args, train_losses
 
 STEPS, SAVED, KILLED = 10, 5, 8
 
 
-def torchrun(args: list[str], restarts: int, log: Path) -> int:
+def torchrun(args: list[str], restarts: int, log: Path, launcher: str = "torchrun") -> int:
+    """2 CPU processes of tests.fault_driver under torchrun, or under `accelerate launch` (which drives the
+    same elastic agent), with `restarts` restarts."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    port = str(free_port())
+    if launcher == "torchrun":
+        command = ["torch.distributed.run", "--nproc_per_node", "2", "--master_port", port]
+    else:
+        command = [*LAUNCH, "--config_file", str(CONFIGS / "cpu_ddp.yaml"), "--num_cpu_threads_per_process", "1",
+                   "--main_process_port", port]
     with open(log, "w") as out:
-        return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                               "--max_restarts", str(restarts), "--master_port", str(free_port()),
-                               "-m", "tests.fault_driver", *args], cwd=REPO, env=env, stdout=out,
+        return subprocess.run([sys.executable, "-m", *command, "--max_restarts", str(restarts), "-m",
+                               "tests.fault_driver", *args], cwd=REPO, env=env, stdout=out,
                               stderr=subprocess.STDOUT, timeout=600).returncode
 
 
@@ -48,13 +56,13 @@ def straight(tiny_model: Path, corpus: dict, tmp_path_factory: pytest.TempPathFa
     return out
 
 
-@pytest.mark.parametrize("late_s", [0, 12])
+@pytest.mark.parametrize(("late_s", "launcher"), [(0, "torchrun"), (12, "torchrun"), (0, "accelerate")])
 def test_a_rank_killed_mid_run_is_restarted_and_the_job_ends_with_the_uninterrupted_losses(
-        late_s: int, straight: Path, tiny_model: Path, corpus: dict, tmp_path: Path) -> None:
+        late_s: int, launcher: str, straight: Path, tiny_model: Path, corpus: dict, tmp_path: Path) -> None:
     out = tmp_path / "run"
     faults = ["--kill", f"1:{KILLED}"] + (["--late", f"1:{late_s}"] if late_s else [])
-    log = tmp_path / "torchrun.log"
-    code = torchrun([*faults, *run_args(tiny_model, corpus, out)], 1, log)
+    log = tmp_path / "launcher.log"
+    code = torchrun([*faults, *run_args(tiny_model, corpus, out)], 1, log, launcher)
     said = log.read_text()
     assert code == 0, said[-4000:]
     assert f"resumed from {out / 'checkpoints' / f'step-{SAVED:07d}'} at step {SAVED}" in said, said[-4000:]
