@@ -188,7 +188,7 @@ class Started:
     accelerator: Any
     precision: tuple[str, str]
     wait: MainProcessWait
-    scope: str  # "mlm_ddp/attempt-N/": the process group's store, and every key in it, are under this prefix
+    scope: str  # "mlm_ddp/attempt-N/run-ID/": this run's keys (the group's store is under "mlm_ddp/attempt-N/")
 
 
 def start_accelerator(topo: Topology, fsdp_plugin: Any, training: Any, precision: tuple[str, str],
@@ -204,7 +204,7 @@ def start_accelerator(topo: Topology, fsdp_plugin: Any, training: Any, precision
     logger = get_logger(__name__)
     export_for_accelerate(topo)
     flight.configure(os.environ, output_dir)
-    wait, scope = MainProcessWait(1, timeouts.save), f"{KEY_ROOT}attempt-0/"
+    wait, scope = MainProcessWait(1, timeouts.save), f"{KEY_ROOT}attempt-0/run-0/"
     if topo.distributed:
         # the process group first, as the Accelerator below would form it (it takes this one over), and the
         # start-up group, over which every rank's precision is gathered before the Accelerator fixes one
@@ -270,6 +270,8 @@ def join_process_group(topo: Topology, timeouts: Timeouts) -> tuple[MainProcessW
     Each process loads and checks its inputs before it joins (preflight), and a node that imports from a
     slow shared filesystem arrives minutes after the others: forming the gloo group is the barrier (each
     rank connects to every other, NCCL jobs too), with that patient timeout."""
+    import uuid
+
     import torch.distributed as dist
     from accelerate import PartialState
     from torch.distributed import distributed_c10d
@@ -279,11 +281,14 @@ def join_process_group(topo: Topology, timeouts: Timeouts) -> tuple[MainProcessW
     patient = timedelta(seconds=waited)
     scope = f"{KEY_ROOT}attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
     try:
-        store, rank, world = next(dist.rendezvous("env://", topo.rank, topo.world_size, timeout=patient))
-        dist.init_process_group(backend_for(topo, os.environ), store=dist.PrefixStore(scope, store), rank=rank,
-                                world_size=world, timeout=patient)
+        if not dist.is_initialized():  # else a process that trains again keeps its group, as accelerate does
+            store, rank, world = next(dist.rendezvous("env://", topo.rank, topo.world_size, timeout=patient))
+            dist.init_process_group(backend_for(topo, os.environ), store=dist.PrefixStore(scope, store), rank=rank,
+                                    world_size=world, timeout=patient)
         PartialState(cpu=not topo.cuda_devices, timeout=patient)
         wait = MainProcessWait(topo.world_size, waited)
+        # and a run of its own inside the attempt: a process that trains twice must not read its last keys
+        scope += f"run-{wait.broadcast(uuid.uuid4().hex[:12])}/"
     except (dist.DistError, RuntimeError) as err:
         raise dist.DistError(f"not every process joined within {waited} s (--rendezvous_timeout, or --ddp_timeout "
                              f"where longer): {type(err).__name__}: {str(err).strip()[:200]}") from err

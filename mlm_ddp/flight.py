@@ -22,6 +22,7 @@ from mlm_ddp.durable import write_atomic
 FOLDER = "flight_recorder"
 PREFIX = "rank_"
 ENTRIES = "2000"  # a ring of 2,000 collectives: a few steps' worth, ~1 MB per rank in a dump
+OURS = "MLM_DDP_FR_DUMP_TEMP_FILE"  # the dump prefix mlm_ddp set, told apart from one the user set
 
 
 def configure(env: MutableMapping[str, str], output_dir: str | Path) -> None:
@@ -30,7 +31,10 @@ def configure(env: MutableMapping[str, str], output_dir: str | Path) -> None:
     is made with the run's first write (`make_folder`)."""
     if "TORCH_FR_BUFFER_SIZE" not in env and "TORCH_NCCL_TRACE_BUFFER_SIZE" not in env:
         env["TORCH_FR_BUFFER_SIZE"] = ENTRIES
-    env.setdefault("TORCH_FR_DUMP_TEMP_FILE", str(Path(output_dir).resolve() / FOLDER / PREFIX))
+    # this run's folder, unless the user chose one: a value mlm_ddp set for an earlier run of this process
+    # (or of the process that started this one, which inherits it) is replaced
+    if env.get("TORCH_FR_DUMP_TEMP_FILE") in (None, env.get(OURS)):
+        env["TORCH_FR_DUMP_TEMP_FILE"] = env[OURS] = str(Path(output_dir).resolve() / FOLDER / PREFIX)
     env.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
 
 

@@ -189,7 +189,7 @@ def build(cfg: Config, checked: Checked, hooks: Hooks) -> Training:
                                                                  cfg.training, data.total_steps)
     # made now, written once the folder is prepared: the parts of the loop report their phases to it
     heartbeat = Heartbeat(path, accelerator.process_index, accelerator.num_processes, hooks.on_beat,
-                          watchdog.for_run(cfg.run, checked.topo, path, accelerator.num_processes,
+                          watchdog.for_run(cfg.run, checked.topo, path, accelerator.num_processes, started.scope,
                                            functools.partial(collectives.lost_contact, checked.topo), EXIT_FAILED),
                           start=False)
     checkpointer = ckpt.Checkpointer(cfg.run, accelerator, wait, scheduler, cfg.to_yaml(),

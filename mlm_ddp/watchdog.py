@@ -402,11 +402,11 @@ def warning_record(output_dir: str | Path, rank: int, prog: str) -> Callable[[st
     return on_warn
 
 
-def for_run(run: Any, topo: Any, output_dir: Path, world: int, lost_contact: Callable[[Exception], str],
+def for_run(run: Any, topo: Any, output_dir: Path, world: int, scope: str, lost_contact: Callable[[Exception], str],
             exit_code: int) -> Watchdog | None:
     """The watchdog of a training run (`run`: its RunConfig's timeouts), on its own connection to the process
-    group's store (scoped to this attempt by `collectives.join_process_group`); None alone. A hang it names
-    ends the process with `exit_code`, after the Flight Recorder's dump."""
+    group's store (scoped to this attempt by `collectives.join_process_group`), its keys under `scope` (this
+    run's); None alone. A hang it names ends the process with `exit_code`, after the Flight Recorder's dump."""
     from mlm_ddp import flight
 
     found = store_of_process_group() if world > 1 else None
@@ -419,5 +419,5 @@ def for_run(run: Any, topo: Any, output_dir: Path, world: int, lost_contact: Cal
     prog = "mlm_ddp.train"
     on_stall = on_stall_exit(output_dir, topo.rank, lost_contact, prog, exit_code,
                              lambda: flight.dump(os.environ, topo.rank))
-    return Watchdog(found[0], topo.rank, world, timeout_s, on_stall, "mlm_ddp/",
-                    warning_record(output_dir, topo.rank, prog), found[1])
+    return Watchdog(found[0], topo.rank, world, timeout_s, on_stall, scope, warning_record(output_dir, topo.rank, prog),
+                    found[1])

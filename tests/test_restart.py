@@ -134,7 +134,7 @@ def test_a_partial_attempt_then_an_elastic_shrink_starts_on_the_agents_store() -
     # attempt 1: the agent shrinks the job to one worker, on the same store with attempt 0's keys in it
     shrunk = join(0, 1, agent.port, 1, 4)
     said = shrunk.communicate(timeout=120)[0]
-    assert shrunk.returncode == 0 and "joined 1 mlm_ddp/attempt-1/" in said, said[-2000:]
+    assert shrunk.returncode == 0 and "joined 1 mlm_ddp/attempt-1/run-" in said, said[-2000:]
     # attempt 2: both again, rank 1 8 s late: rank 0 waits for it, and neither reads an earlier attempt's
     # addresses (torch names the gloo groups the same in every attempt)
     late = [join(0, 2, agent.port, 2, 60)]
@@ -142,7 +142,8 @@ def test_a_partial_attempt_then_an_elastic_shrink_starts_on_the_agents_store() -
     late.append(join(1, 2, agent.port, 2, 60))
     lines = [proc.communicate(timeout=120)[0] for proc in late]
     assert [proc.returncode for proc in late] == [0, 0], lines
-    assert all("joined 2 mlm_ddp/attempt-2/" in line for line in lines), lines
+    assert all("joined 2 mlm_ddp/attempt-2/run-" in line for line in lines), lines
+    assert len({line.split()[-1] for line in lines}) == 1, lines  # one run id, agreed by both
 
 
 @pytest.mark.parametrize(("flags", "fix"), [
