@@ -350,9 +350,6 @@ class LateStore:
     def check(self, keys: list[str]) -> bool:
         return all(self.visible(k) is not None for k in keys)
 
-    def get(self, key: str) -> bytes:
-        return self.visible(key).encode()
-
     def multi_get(self, keys: list[str]) -> list[bytes]:
         return [self.visible(k).encode() for k in keys]
 
