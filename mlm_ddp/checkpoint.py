@@ -33,7 +33,7 @@ from mlm_ddp.config import RunConfig
 from mlm_ddp.durable import fsync_dir, fsync_tree
 from mlm_ddp.errors import BadInput, CheckpointWriteError
 from mlm_ddp.heartbeat import PhaseReport, unreported
-from mlm_ddp.schedule import continue_schedule
+from mlm_ddp.schedule import check_continuation, continue_schedule
 
 logger = get_logger(__name__)
 MARKER = "COMPLETE"
@@ -309,6 +309,7 @@ class Checkpointer:
         self.accelerator, self.wait, self.scheduler = accelerator, wait, scheduler
         self.config_yaml, self.before_marker, self.beat = config_yaml, before_marker, beat
         self.saved_step = resumed_step  # the step of this run's newest complete checkpoint
+        self.allow_lr_jump = run.allow_lr_jump
 
     def due(self, step: int, epoch_ended: bool) -> bool:
         every = self.every
@@ -406,6 +407,10 @@ class Checkpointer:
             logger.info("resuming with a changed setting: %s %r -> %r", key, old, new)
         self.beat(step, "checkpoint")  # a rollback's load: its collectives wait up to --save_timeout
         try:
+            schedule = json.loads((path / SCHEDULER_FILE).read_text())
+            jump = check_continuation(self.scheduler, schedule, accepted_changes, self.allow_lr_jump)
+            if jump:
+                logger.warning(jump)
             optimizers = self.accelerator._optimizers
             flags = [implementation(optimizer) for optimizer in optimizers]
             with self.patient():
@@ -416,11 +421,11 @@ class Checkpointer:
             for optimizer, own in zip(optimizers, flags, strict=True):  # this run's --optimizer_impl
                 restore_implementation(optimizer, own)
             # its step count only: this run's schedule (schedule.py) sets the rate from there
-            continue_schedule(self.scheduler, json.loads((path / SCHEDULER_FILE).read_text()))
+            continue_schedule(self.scheduler, schedule)
             # accelerate restores its micro-batch counter, which decides the micro-batch that all-reduces
             # the gradients: recount it for this run's accumulation (a resume may change it)
             self.accelerator.step = step * self.accelerator.gradient_accumulation_steps
-        except torch.distributed.DistError:
+        except (torch.distributed.DistError, BadInput):
             raise
         except Exception as err:  # safetensors, torch.load and load_state_dict each have their own types
             raise BadInput(f"{path}: cannot be resumed from ({type(err).__name__}: {str(err)[:400]}); it is "

@@ -14,7 +14,7 @@ from accelerate.logging import get_logger
 from transformers import PreTrainedModel
 
 from mlm_ddp.collectives import sharded
-from mlm_ddp.config import ModelConfig, TrainingConfig
+from mlm_ddp.config import Config, TrainingConfig
 from mlm_ddp.model import (
     FRESH_HEAD,
     HEAD_LR_FACTOR,
@@ -124,27 +124,46 @@ def restore_implementation(optimizer: torch.optim.Optimizer, flags: list[dict[st
                                                      device=param.device if device_steps else "cpu")
 
 
-def for_this_batch(training: TrainingConfig, world_size: int) -> TrainingConfig:
+FAR = 8.0  # a batch this many times from the reference, either way: the square-root rule is not checked there
+
+
+def for_this_batch(training: TrainingConfig, world_size: int, seq_length: int | None = None) -> TrainingConfig:
     """The training section with its learning rates scaled to this run's global batch (--lr_reference_batch:
-    by sqrt(batch / reference)); as it is without a reference or at the reference batch."""
+    by sqrt(batch / reference), in tokens where --lr_reference_seq_length and `seq_length` are given); as it
+    is without a reference or at the reference batch."""
     reference = training.lr_reference_batch
     batch = training.per_device_train_batch_size * world_size * training.gradient_accumulation_steps
-    if reference is None or batch == reference:
+    if reference is None:
         return training
-    factor = math.sqrt(batch / reference)
+    ratio, unit = batch / reference, "sequences"
+    if training.lr_reference_seq_length is not None and seq_length is not None:
+        ratio, unit = ratio * seq_length / training.lr_reference_seq_length, "tokens"
+    if ratio == 1:
+        return training
+    factor = math.sqrt(ratio)
     head = None if training.head_learning_rate is None else training.head_learning_rate * factor
-    logger.warning("the global batch is %d sequences (%d per device x %d processes x %d accumulation), the recipe's "
-                   "is %d: the learning rate is scaled by sqrt(%d / %d) = %.3f, to %.3g (--lr_reference_batch; give "
-                   "--learning_rate to use a rate as given)", batch, training.per_device_train_batch_size, world_size,
-                   training.gradient_accumulation_steps, reference, batch, reference, factor,
-                   training.learning_rate * factor, main_process_only=True)
+    tokens = (f" of {seq_length} tokens, the recipe's {reference} of {training.lr_reference_seq_length}"
+              if unit == "tokens" else f", the recipe's is {reference}")
+    line = (f"the global batch is {batch} sequences ({training.per_device_train_batch_size} per device x {world_size} "
+            f"processes x {training.gradient_accumulation_steps} accumulation){tokens}: the learning rate is scaled "
+            f"by sqrt({ratio:.4g}) (the ratio of {unit}) = {factor:.3f}, to {training.learning_rate * factor:.3g} "
+            "(--lr_reference_batch; give --learning_rate to use a rate as given)")
+    if max(ratio, 1 / ratio) > FAR:
+        logger.warning("%s. This batch is %.0fx %s the recipe's: the square-root rule is this project's choice and "
+                       "was checked only near the reference batch (docs/recipes.md measured it 33%% worse at 8 "
+                       "sequences); consider --gradient_accumulation_steps to come nearer, or your own "
+                       "--learning_rate", line, max(ratio, 1 / ratio), "above" if ratio > 1 else "below",
+                       main_process_only=True)
+    else:
+        logger.info(line, main_process_only=True)
     return dataclasses.replace(training, learning_rate=training.learning_rate * factor, head_learning_rate=head)
 
 
-def prepare_for_training(accelerator: Any, transformers_model: PreTrainedModel, model_cfg: ModelConfig,
-                         training: TrainingConfig, total_steps: int) -> tuple[Any, torch.optim.Optimizer, Any, int]:
+def prepare_for_training(accelerator: Any, transformers_model: PreTrainedModel, cfg: Config,
+                         total_steps: int) -> tuple[Any, torch.optim.Optimizer, Any, int]:
     """The model in its loss wrapper, its optimizer and scheduler, prepared; and the parameter count."""
-    training = for_this_batch(training, accelerator.num_processes)
+    model_cfg = cfg.model
+    training = for_this_batch(cfg.training, accelerator.num_processes, cfg.data.max_seq_length)
     model = wrap_model(transformers_model, model_cfg, training.torch_compile, accelerator.device)
     materialize_meta(model)  # before the optimizer takes the parameters
     optimizer = build_optimizer(model, training)

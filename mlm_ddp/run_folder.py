@@ -52,7 +52,7 @@ RESUMABLE_CHANGES = {
     "run.checkpointing_steps", "run.save_total_limit", "run.resume_from_checkpoint", "run.with_tracking",
     "run.report_to", "run.report", "run.stop_signals", "run.ddp_timeout", "run.rendezvous_timeout",
     "run.preprocessing_timeout",
-    "run.save_timeout", "run.on_nonfinite_loss", "run.on_loss_spike", "run.loss_spike_factor",
+    "run.save_timeout", "run.allow_lr_jump", "run.on_nonfinite_loss", "run.on_loss_spike", "run.loss_spike_factor",
     "run.loss_spike_window", "run.peak_tflops", "training.max_train_steps", "training.num_train_epochs",
     "training.cpu_threads",
     "data.preprocessing_num_workers", "model.mlm_head", "model.fsdp_wrap_classes", "training.optimizer_impl",

@@ -59,6 +59,38 @@ def build_scheduler(optimizer: torch.optim.Optimizer, training: TrainingConfig,
                             decay_type=training.decay_type, min_lr_ratio=training.min_lr_ratio)
 
 
+def rates_at(scheduler: torch.optim.lr_scheduler.LambdaLR, step: int) -> list[float]:
+    """Each parameter group's learning rate after `step` optimizer steps of this schedule."""
+    return [base * rate(step) for base, rate in zip(scheduler.base_lrs, scheduler.lr_lambdas, strict=True)]
+
+
+def check_continuation(scheduler: torch.optim.lr_scheduler.LambdaLR, saved: dict[str, Any],
+                       changes: dict[str, tuple[Any, Any]], allow: bool) -> str | None:
+    """A resume whose schedule sets another rate at the checkpoint's step than the checkpoint's run had: a
+    longer run moves a cosine or linear decay under way back up (step 95 of 100 at 0.05 x the peak becomes
+    0.53 x with 200 steps), a warm-up given as a fraction moves. Refused, or with --allow_lr_jump the
+    warning to log; None where the rates agree (or the checkpoint, from an older mlm_ddp, holds none)."""
+    before = saved.get("_last_lr")
+    if not before:
+        return None
+    step = int(saved["last_epoch"])
+    after = rates_at(scheduler, step)
+    if len(before) == len(after) and all(math.isclose(a, b, rel_tol=1e-6, abs_tol=1e-15)
+                                         for a, b in zip(before, after, strict=True)):
+        return None
+    lengths = {f"--{key.split('.', 1)[1]}": (old, new) for key, (old, new) in changes.items()
+               if key in ("training.max_train_steps", "training.num_train_epochs")}
+    moved = [f"{flag} {old} -> {new}" for flag, (old, new) in lengths.items()]
+    keep = " ".join(f"{flag} {old}" for flag, (old, _) in lengths.items() if old is not None)
+    what = (f"at step {step} this run's schedule sets the learning rate to {after[0]:.4g} where the checkpoint's "
+            f"run was at {before[0]:.4g} ({', '.join(moved) or 'the schedule changed'})")
+    if allow:
+        return f"{what}: resuming with the jump (--allow_lr_jump)"
+    raise BadInput(f"--resume_from_checkpoint: {what}, which would move a warm-up or decay already under way: "
+                   f"keep the run's length ({keep or 'as it was'}), or pass --allow_lr_jump to resume with the jump; "
+                   f"to train on past a decay, train {WSD} and branch from its stable phase (--decay_from)")
+
+
 def continue_schedule(scheduler: torch.optim.lr_scheduler.LambdaLR, saved: dict[str, Any]) -> None:
     """Take up a saved schedule's step count, and nothing else: this run's schedule (built from its own
     config, which a decay branch or a longer --max_train_steps changes) sets the rate from that step on.
@@ -66,7 +98,7 @@ def continue_schedule(scheduler: torch.optim.lr_scheduler.LambdaLR, saved: dict[
     optimizer's groups hold it)."""
     step = int(saved["last_epoch"])
     scheduler.last_epoch, scheduler._step_count = step, int(saved.get("_step_count", step + 1))
-    rates = [base * rate(step) for base, rate in zip(scheduler.base_lrs, scheduler.lr_lambdas, strict=True)]
+    rates = rates_at(scheduler, step)
     for group, rate in zip(scheduler.optimizer.param_groups, rates, strict=True):
         group["lr"] = rate
     scheduler._last_lr = rates

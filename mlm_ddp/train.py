@@ -185,8 +185,8 @@ def build(cfg: Config, checked: Checked, hooks: Hooks) -> Training:
     transformers_model = load_weights(cfg, checked, accelerator)
     data = mdata.rank_data(cfg.data, cfg.training, checked.tokenizer, checked.raw_train, checked.raw_eval,
                            accelerator, cfg.run.preprocessing_timeout, start.state.layout_batch)
-    model, optimizer, scheduler, n_params = prepare_for_training(accelerator, transformers_model, cfg.model,
-                                                                 cfg.training, data.total_steps)
+    model, optimizer, scheduler, n_params = prepare_for_training(accelerator, transformers_model, cfg,
+                                                                 data.total_steps)
     # made now, written once the folder is prepared: the parts of the loop report their phases to it
     heartbeat = Heartbeat(path, accelerator.process_index, accelerator.num_processes, hooks.on_beat,
                           watchdog.for_run(cfg.run, checked.topo, path, accelerator.num_processes, started.scope,

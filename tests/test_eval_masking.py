@@ -102,7 +102,7 @@ def test_a_resume_may_change_the_evaluation_rate_and_not_the_training_masks(
     shutil.copytree(source / "checkpoints" / "step-0000002", resumed / "checkpoints" / "step-0000002")
     shutil.copy(source / "metrics.jsonl", resumed / "metrics.jsonl")
     args = tiny_args(tiny_model, corpus, resumed, "--max_train_steps", "3", "--max_eval_samples", "64", *NEOBERT,
-                     "--resume_from_checkpoint", "latest")
+                     "--resume_from_checkpoint", "latest", "--allow_lr_jump")
     with pytest.raises(BadInput, match=r"data.mask_replace_prob: 1.0 -> 0.8"):
         train(parse_args([*args, "--mask_replace_prob", "0.8"]))
     fresh_accelerate_state()

@@ -174,7 +174,7 @@ def test_a_torn_metrics_line(where: str, finished: Path, tiny_model: Path, corpu
         lines[2] = lines[2][:15]
     (out / "metrics.jsonl").write_text("\n".join(lines) + ("" if where == "last" else "\n"))
     args = tiny_args(tiny_model, corpus, out, "--max_train_steps", "6", "--checkpointing_steps", "2", *QUICK,
-                     "--resume_from_checkpoint", "latest")
+                     "--resume_from_checkpoint", "latest", "--allow_lr_jump")
     if where == "last":  # what a killed run leaves: dropped, the run continues
         assert main(args) == 0
         assert sorted(train_losses(out)) == list(range(1, 7))
@@ -193,7 +193,7 @@ def test_resuming_an_older_checkpoint_sets_the_later_ones_aside(finished: Path, 
     # a new, shorter future from step 2 that keeps one checkpoint: rotation must keep the new step 3,
     # not the abandoned step 4 (which `latest` would then pick)
     assert main(tiny_args(tiny_model, corpus, out, "--max_train_steps", "3", "--checkpointing_steps", "3", *QUICK,
-                          "--save_total_limit", "1", "--resume_from_checkpoint",
+                          "--save_total_limit", "1", "--allow_lr_jump", "--resume_from_checkpoint",
                           str(out / "checkpoints" / "step-0000002"))) == 0
     names = sorted(p.name for p in (out / "checkpoints").iterdir())
     assert names == ["abandoned-after-step-0000002", "step-0000003"], names

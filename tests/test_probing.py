@@ -159,7 +159,7 @@ def test_a_resume_with_other_probe_settings_measures_before_again(tiny_model: Pa
         shutil.copy(first / name, resumed / name)
     fresh_accelerate_state()
     train(parse_args(probed_args(tiny_model, corpus, resumed, probe_files, "--max_train_steps", "3",
-                                 "--resume_from_checkpoint", "latest", "--report", "false")))
+                                 "--resume_from_checkpoint", "latest", "--report", "false", "--allow_lr_jump")))
     summary = json.loads((resumed / "summary.json").read_text())["probe"]
     standalone = probe(tiny_model, None, ProbeConfig(train_file=str(probe_files["train"]),
                                                      test_file=str(probe_files["test"]), seeds=3))

@@ -45,9 +45,13 @@ def test_every_recipe_trains_three_steps(name: str, tiny_model: Path, corpus: di
     assert result.steps == 3
     losses = train_losses(tmp_path / "run")
     assert sorted(losses) == [1, 2, 3] and all(math.isfinite(v) for v in losses.values())
-    # the peak rate this run trains at: the recipe's, scaled by sqrt(4 / reference)
+    # the peak rate this run trains at: the recipe's, scaled by the square root of the ratio of tokens per
+    # step, 4 x 32 against the reference's sequences x their length; warmup_stable_decay reaches it at step 1
     rates = [r["lr"] for r in read_metrics(tmp_path / "run") if "lr" in r]
-    assert max(rates) <= cfg.training.learning_rate * math.sqrt(BATCH / reference) * (1 + 1e-9)
+    peak = cfg.training.learning_rate * math.sqrt(BATCH * 32 / (reference * cfg.training.lr_reference_seq_length))
+    assert max(rates) <= peak * (1 + 1e-9)
+    if cfg.training.lr_scheduler_type == "warmup_stable_decay":
+        assert max(rates) == pytest.approx(peak, rel=1e-9)
 
 
 def test_modernbert_trains_at_its_scaled_peak_and_evaluates_at_15_percent(tiny_model: Path, corpus: dict,
@@ -102,6 +106,28 @@ def test_the_square_root_rule(per_device: int, world: int, accumulation: int, re
     assert scaled.head_learning_rate == pytest.approx(1e-3 * factor, rel=1e-12)
     unset = TrainingConfig(lr_reference_batch=None)
     assert for_this_batch(unset, world) is unset
+
+
+@pytest.mark.parametrize(("batch", "length", "far"), [(2048, 128, False), (256, 512, False), (64, 512, True),
+                                                      (2048, 64, False), (8, 128, True), (32768, 512, True)])
+def test_the_square_root_rule_counts_tokens_and_warns_far_from_the_reference(
+        batch: int, length: int, far: bool, caplog: pytest.LogCaptureFixture) -> None:
+    """Issue 45, finding 10: dapt's reference is 2048 sequences of 512 tokens. The rule scales by the ratio of
+    tokens per optimizer step, and warns only beyond 8x either way (within it: an info line)."""
+    from accelerate import PartialState
+
+    from mlm_ddp.config import TrainingConfig
+
+    PartialState()
+    training = TrainingConfig(per_device_train_batch_size=batch, learning_rate=5e-4, lr_reference_batch=2048,
+                              lr_reference_seq_length=512)
+    ratio = batch * length / (2048 * 512)
+    with caplog.at_level("INFO"):
+        scaled = for_this_batch(training, 1, length)
+    assert scaled.learning_rate == pytest.approx(5e-4 * math.sqrt(ratio), rel=1e-12)
+    assert ("the square-root rule is this project's choice" in caplog.text) == far
+    assert "(the ratio of tokens)" in caplog.text
+    assert for_this_batch(training, 1, None).learning_rate == pytest.approx(5e-4 * math.sqrt(batch / 2048))
 
 
 @pytest.mark.parametrize(("value", "total", "steps"), [(10, 1000, 10), (0, 50, 0), (0.06, 1000, 60), (0.05, 3, 0)])

@@ -326,7 +326,7 @@ def test_bad_checkpoints_are_refused_with_the_reason(case: str, message: str, fi
              "other_recipe": ["--learning_rate", "0.002"]}.get(case, [])
     before = snapshot(out)
     code = main(tiny_args(tiny_model, corpus, out, "--max_train_steps", "4", "--resume_from_checkpoint", "latest",
-                          *extra))
+                          "--allow_lr_jump", *extra))
     err = capsys.readouterr().err
     assert code == EXIT_BAD_INPUT, err[-2000:]
     assert len([line for line in err.splitlines() if line.startswith("mlm_ddp.train: error:")]) == 1
@@ -343,8 +343,11 @@ def test_harmless_setting_changes_are_accepted_and_logged(finished_checkpoint: P
     (out / "summary.json").unlink()
     with caplog.at_level("INFO"):
         code = main(tiny_args(tiny_model, corpus, out, "--max_train_steps", "4", "--resume_from_checkpoint",
-                              "latest", "--logging_steps", "2"))
+                              "latest", "--logging_steps", "2", "--allow_lr_jump"))
     assert code == 0
     assert "resuming with a changed setting: run.logging_steps 1 -> 2" in caplog.text
     assert "resuming with a changed setting: training.max_train_steps 2 -> 4" in caplog.text
+    # the linear decay ended at step 2; a run of 4 steps is at half the peak there: allowed, and said
+    assert "at step 2 this run's schedule sets the learning rate to 0.0005 where the checkpoint's run was at 0" \
+        in caplog.text
     assert json.loads((out / "summary.json").read_text())["steps"] == 4

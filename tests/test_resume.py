@@ -83,7 +83,7 @@ def test_a_resume_in_another_precision_says_so(tiny_model: Path, corpus: dict, t
     GradientState._reset_state()
     monkeypatch.setattr(precision, "hardware", lambda _topo: precision.Hardware("cpu", cpu_bf16=True))
     with caplog.at_level("WARNING"):
-        train(parse_args([*args, "--max_train_steps", "2", "--resume_from_checkpoint", "latest"]))
+        train(parse_args([*args, "--max_train_steps", "2", "--resume_from_checkpoint", "latest", "--allow_lr_jump"]))
     assert "the precision changed: the checkpoint trained in no, this run trains in bf16 (auto: " in caplog.text
 
 
@@ -127,5 +127,5 @@ def test_a_resume_runs_the_optimizer_implementation_it_is_given(tiny_model: Path
 
     monkeypatch.setattr(torch.optim.AdamW, "step", recorded)
     train(parse_args([*args, "--max_train_steps", "3", "--optimizer_impl", "for-loop", "--resume_from_checkpoint",
-                      "latest"]))
+                      "latest", "--allow_lr_jump"]))
     assert ran == [(False, False, {"cpu"})] * 2

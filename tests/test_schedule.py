@@ -23,7 +23,7 @@ from transformers import get_wsd_schedule
 
 from mlm_ddp.config import TrainingConfig, parse_args
 from mlm_ddp.errors import BadInput
-from mlm_ddp.schedule import build_scheduler, continue_schedule
+from mlm_ddp.schedule import build_scheduler, check_continuation, continue_schedule
 from mlm_ddp.train import train
 from tests.conftest import NO_DROPOUT, SAME_STEPS, read_metrics, tiny_args, train_losses
 
@@ -97,6 +97,31 @@ def test_a_resume_takes_up_the_step_count_and_this_runs_schedule() -> None:
     assert branch.last_epoch == SOURCE and branch.optimizer.param_groups[0]["lr"] == PEAK
     whole = transformers_rates(SOURCE + DECAY, SOURCE + DECAY, DECAY, "linear")
     assert rates(branch, DECAY) == whole[SOURCE:]
+
+
+@pytest.mark.parametrize("kind", ["linear", "cosine", "warmup_stable_decay"])
+@pytest.mark.parametrize(("total", "step", "longer"), [(100, 95, 200), (10, 3, 11), (10, 10, 20), (8, 1, 9)])
+def test_a_longer_run_may_not_move_a_decay_under_way(kind: str, total: int, step: int, longer: int) -> None:
+    """Issue 45, finding 9: a checkpoint of step `step` of `total`, resumed with --max_train_steps `longer`.
+    Where the longer schedule sets another rate at that step (a decay under way) the resume is refused,
+    naming the step and the flag, or with --allow_lr_jump goes on with a warning; where it sets the same
+    one (a warm-up given in steps, the stable phase of warmup_stable_decay) it goes on silently."""
+    decay = {"num_decay_steps": 2} if kind == "warmup_stable_decay" else {}
+    training = TrainingConfig(lr_scheduler_type=kind, num_warmup_steps=WARMUP, **decay)
+    saved_at = build_scheduler(optimizer(), training, total)
+    rates(saved_at, step)
+    saved = json.loads(json.dumps(saved_at.state_dict()))
+    resumed = build_scheduler(optimizer(), training, longer)
+    changes = {"training.max_train_steps": (total, longer)}
+    before, after = saved["_last_lr"][0], resumed.lr_lambdas[0](step) * PEAK
+    assert (before == after) == (step <= WARMUP or (kind == "warmup_stable_decay" and step <= total - 2))
+    if before == after:
+        assert check_continuation(resumed, saved, changes, allow=False) is None
+        return
+    refusal = rf"at step {step} .*--max_train_steps {total} -> {longer}.*\(--max_train_steps {total}\).*--allow_lr_jump"
+    with pytest.raises(BadInput, match=refusal):
+        check_continuation(resumed, saved, changes, allow=False)
+    assert "resuming with the jump" in check_continuation(resumed, saved, changes, allow=True)
 
 
 @pytest.mark.parametrize(("values", "message"), [
@@ -234,6 +259,26 @@ def test_the_main_run_goes_on_with_its_stable_phase(runs: dict) -> None:
     runs["run"]("main-on", "--num_decay_steps", "0", "--max_train_steps", str(SOURCE + 2), "--resume_from_checkpoint",
                 "latest")
     assert lrs(main) == {1: PEAK / 2, **{step: PEAK for step in range(2, SOURCE + 3)}}
+
+
+def test_a_run_in_its_decay_resumed_longer_is_refused_or_jumps_when_allowed(runs: dict, caplog) -> None:
+    """The 1-sqrt run saved step 6, in its decay (steps 6-8): resumed with --max_train_steps 10 it would
+    jump back up; refused before anything is written. With --allow_lr_jump it goes on, and says so."""
+    out = runs["root"] / "longer"
+    shutil.copytree(runs["straight"], out)
+    shutil.rmtree(out / "final")
+    (out / "summary.json").unlink()
+    shutil.rmtree(out / "checkpoints" / "step-0000008", ignore_errors=True)
+    before = snapshot(out)
+    longer = ["--num_decay_steps", str(DECAY), "--decay_type", "1-sqrt", "--max_train_steps", "10",
+              "--resume_from_checkpoint", "latest"]
+    with pytest.raises(BadInput, match="at step 6 .*--max_train_steps 8 -> 10.*--allow_lr_jump"):
+        runs["run"]("longer", *longer)
+    assert snapshot(out) == before
+    with caplog.at_level("WARNING"):
+        runs["run"]("longer", *longer, "--allow_lr_jump")
+    assert "at step 6 this run's schedule sets the learning rate" in caplog.text
+    assert sorted(lrs(out))[-4:] == [7, 8, 9, 10]
 
 
 @pytest.mark.parametrize(("case", "message"), [

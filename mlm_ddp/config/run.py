@@ -44,6 +44,13 @@ class RunConfig:
         "config.yaml); add --resume_from_checkpoint auto to continue a branch that stopped.",
         default=None,
     )
+    allow_lr_jump: bool = _doc(
+        "Resume even when this run's schedule sets another learning rate at the checkpoint's step than the "
+        "checkpoint's run had (a longer --max_train_steps or --num_train_epochs moves a decay under way, or a "
+        "warm-up given as a fraction). Without it such a resume is refused; with it the rate jumps and the run "
+        "records that it was allowed.",
+        default=False,
+    )
     with_tracking: bool = _doc("Log metrics to the trackers of --report_to.", default=False)
     report_to: str = _doc(
         "Trackers for --with_tracking: 'tensorboard', 'wandb', 'mlflow', a comma list, or 'all'.",

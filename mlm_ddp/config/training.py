@@ -76,7 +76,15 @@ class TrainingConfig:
         "global batch B (per device x processes x accumulation) differs, the learning rates are multiplied by "
         "sqrt(B / this), the square-root rule for Adam-type optimizers (Malladi et al. 2022), and the run says so. "
         "The shipped recipes set it; a --learning_rate given as a flag beside a recipe unsets it (your rate is "
-        "used as given).",
+        "used as given). The rule is this project's choice, not its sources' (docs/recipes.md); a batch more than "
+        "8x from the reference gets a warning, since the rule was checked only near it.",
+        default=None,
+    )
+    lr_reference_seq_length: int | None = _doc(
+        "The sequence length (--max_seq_length) of the reference batch: with it the square-root rule compares "
+        "tokens per optimizer step (batch x --max_seq_length against reference batch x this), so a recipe run at "
+        "128 tokens instead of its 512 counts a quarter of the tokens per sequence. Default: not set "
+        "(sequences are compared).",
         default=None,
     )
     mixed_precision: Literal["auto", "no", "fp16", "bf16"] = _doc(
@@ -123,6 +131,8 @@ class TrainingConfig:
     def __post_init__(self) -> None:
         if self.lr_reference_batch is not None and self.lr_reference_batch < 1:
             raise BadInput(f"--lr_reference_batch must be at least 1 sequence, got {self.lr_reference_batch}")
+        if self.lr_reference_seq_length is not None and self.lr_reference_seq_length < 1:
+            raise BadInput(f"--lr_reference_seq_length must be at least 1 token, got {self.lr_reference_seq_length}")
         for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps"):
             if getattr(self, name) < 1:
                 raise BadInput(f"--{name} must be at least 1, got {getattr(self, name)}")
