@@ -55,6 +55,7 @@ RESUMABLE_CHANGES = {
     "run.save_timeout", "run.allow_lr_jump", "run.on_nonfinite_loss", "run.on_loss_spike", "run.loss_spike_factor",
     "run.loss_spike_window", "run.peak_tflops", "training.max_train_steps", "training.num_train_epochs",
     "training.cpu_threads",
+    "data.allow_source_changes",  # says whether the sources may change, changes nothing a step computes
     "data.preprocessing_num_workers", "model.mlm_head", "model.fsdp_wrap_classes", "training.optimizer_impl",
     "training.torch_compile", "run.push_to_hub", "run.hub_model_id", "run.hub_token", "data.overwrite_cache",
     "model.trust_remote_code", "model.low_cpu_mem_usage", "model.gradient_checkpointing",
@@ -269,8 +270,8 @@ class RunFolder:
             fresh = ckpt.TrainerState(step=0, epoch=0, batch_in_epoch=0, tokens_seen=0, world_size=world_size)
             return Start(fresh, world_size, None, clear_earlier, written_by=world_size)
         data, branching = self.cfg.data, self.cfg.run.decay_from is not None and not own
-        state, changes = check_resume(path, self.cfg.to_dict(), world_size, sharded=sharded,
-                                      accepted=branch.BRANCH_CHANGES if branching else frozenset())
+        accepted = (branch.BRANCH_CHANGES if branching else frozenset()) | mdata.source_changes(data)
+        state, changes = check_resume(path, self.cfg.to_dict(), world_size, sharded=sharded, accepted=accepted)
         if branching:  # a decay branch starts from another run's checkpoint of the stable phase
             branch.check_source(path, ckpt.check_files(path, world_size, sharded)[1])
         if data.streaming:
@@ -468,8 +469,8 @@ def model_card(cfg: Config, steps: int, tokens: int, eval_before: dict[str, floa
         base = model.model_name_or_path or "sentence-transformers/all-MiniLM-L6-v2"
         hub_base = base if base.count("/") == 1 and not Path(base).exists() else None
         origin = f"{base} fine-tuned with masked-language modeling"
-    source = data.dataset_name or (Path(data.train_file).name if data.train_file else "Python's documentation "
-                                   "(mlm_ddp's embedded corpus)")
+    source = data.dataset_name or (", ".join(Path(f).name for f in data.train_file) if data.train_file
+                                   else "Python's documentation (mlm_ddp's embedded corpus)")
     meta = {"library_name": "transformers", "pipeline_tag": "fill-mask", "tags": ["mlm_ddp", "fill-mask"],
             **({"base_model": hub_base} if hub_base else {}),
             **({"datasets": [data.dataset_name]} if data.dataset_name and not Path(data.dataset_name).exists() else {})}

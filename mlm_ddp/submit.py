@@ -177,9 +177,10 @@ def submit(args: SubmitConfig, train_argv: list[str]) -> Any:
         raise BadInput(f"--overwrite_output_dir: every attempt of this job, requeues included, resumes "
                           f"--output_dir {out} (--resume_from_checkpoint auto), so it cannot erase it; remove "
                           f"{out} yourself or choose another --output_dir, and submit without --overwrite_output_dir")
-    files = [("--train_file", cfg.data.train_file), *(("--validation_file", f) for f in cfg.data.validation_file or [])]
+    files = [*(("--train_file", f) for f in cfg.data.train_file or []),
+             *(("--validation_file", f) for f in cfg.data.validation_file or [])]
     for flag, value in files:
-        if value is not None and not Path(value).is_file():
+        if not Path(value).exists():
             raise BadInput(f"{flag} {value}: no such file (the job would fail on it)")
     job_dir = writable_job_dir(Path(args.job_dir or Path(cfg.run.output_dir) / "submitit"))
     tasks = args.gpus_per_node or args.procs_per_node

@@ -72,6 +72,7 @@ class TrainResult:
     skipped_steps: dict[str, int] = field(default_factory=dict)  # "nonfinite", "overflow" (fp16): updates skipped
     mfu: float | None = None  # model FLOPs utilisation of the training steps (speed.py)
     probe: dict[str, Any] | None = None  # the downstream probe's "before" and "after" (probing.py)
+    sources: list[dict[str, Any]] | None = None  # a mixture's: each source's name, weight, tokens and passes
 
 
 # ---------------------------------------------------------------------------------------------
@@ -118,10 +119,7 @@ def preflight(cfg: Config) -> Checked:
     start = folder.plan(topo.world_size, sharded=fsdp_plugin is not None,
                         stream_bytes=functools.partial(stream_bytes, cfg))
     trackers, hub_repo = check_trackers(cfg.run), check_hub(cfg.run, uploads=topo.rank == 0)
-    if cfg.data.prepared_data is not None:  # blocks, memory-mapped; refused here if another tokenizer made them
-        raw_train, raw_eval, _ = mdata.load_prepared(cfg.data, tokenizer)
-    else:
-        raw_train, raw_eval = mdata.load_text(cfg.data, cfg.training.seed)
+    raw_train, raw_eval = mdata.load_data(cfg.data, cfg.training.seed, tokenizer)  # one source, several, or prepared
     return Checked(tokenizer, model_config, topo, fsdp_plugin, chosen, folder, start, trackers, hub_repo,
                    raw_train, raw_eval)
 
@@ -407,7 +405,7 @@ def finish(run: Training, steps: int, started: float, probed_before: dict | None
         steps=steps, tokens_seen=tokens_seen, wall_time_s=time.perf_counter() - started, tokens_per_s=tokens_per_s,
         eval_before=run.evaluator.first, eval_after=run.evaluator.last, output_dir=str(folder.path),
         final_dir=str(final), loss_spikes=run.spikes.reported(), skipped_steps=run.skips.reported(),
-        mfu=log.run_mfu(tokens_per_s), probe=probed,
+        mfu=log.run_mfu(tokens_per_s), probe=probed, sources=run.feed.sources(),
     )
     folder.write_summary(accelerator.is_main_process, asdict(result))
     logger.info("%s%s", summary_line(result), branch.closing(run.cfg))
@@ -448,7 +446,8 @@ def summary_line(result: TrainResult) -> str:
     elif after:  # no evaluation before training on record (e.g. --validation_split_percentage changed)
         line += (f"; eval{masked_note(after)} loss {after['loss']:.4f}, perplexity {after['perplexity']:.2f}, "
                  f"accuracy {after['accuracy']:.3f}")
-    return line + sources_line(before, after) + probing.line(result.probe) + f"; model in {result.final_dir}"
+    return (line + sources_line(before, after) + mdata.sources_read_line(result.sources) + probing.line(result.probe)
+            + f"; model in {result.final_dir}")
 
 
 def setup_logging() -> None:

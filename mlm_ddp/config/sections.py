@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from mlm_ddp.config.mixture import check_sources
 from mlm_ddp.errors import BadInput
 from mlm_ddp.masking import check_masking
 
@@ -122,8 +123,25 @@ class DataConfig:
         default=None,
     )
     dataset_config_name: str | None = _doc("Configuration name of --dataset_name.", default=None)
-    train_file: str | None = _doc(
-        "Training text: a .txt (one text per line), .json/.jsonl, .csv or .parquet file.", default=None
+    train_file: list[str] | None = _doc(
+        "Training text: a .txt (one text per line), .json/.jsonl, .csv or .parquet file. Several sources "
+        "(files, `datasets` folders or folders of `python -m mlm_ddp.prepare`) are mixed by --train_weights; "
+        "in a YAML also a list of {path, weight, name} (docs/data.md 'Mixing sources').",
+        default=None,
+    )
+    train_weights: list[float] | None = _doc(
+        "With several --train_file sources: each one's share of the training tokens, one positive number per "
+        "source (normalised to sum to 1).",
+        default=None,
+    )
+    train_names: list[str] | None = _doc(
+        "With several --train_file sources: their names in the log and summary.json (default: the file stems).",
+        default=None,
+    )
+    allow_source_changes: bool = _doc(
+        "Resume even when the checkpoint's run mixed other --train_file sources, weights or names; the mixture "
+        "continues from the same global position with the new sources (recorded in config.yaml and the log).",
+        default=False,
     )
     validation_file: list[str] | None = _doc(
         "Held-out text, same formats as --train_file. Without it, a split of the training data is held out. "
@@ -205,6 +223,7 @@ class DataConfig:
     dataloader_num_workers: int = _doc("DataLoader worker processes per rank.", default=0)
 
     def __post_init__(self) -> None:
+        check_sources(self)
         if isinstance(self.validation_file, str):  # a YAML's single file, or a config.yaml written before lists
             self.validation_file = [self.validation_file]
         if self.validation_file is not None:

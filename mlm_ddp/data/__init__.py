@@ -3,7 +3,8 @@
 One module per step of the pipeline:
 
 - `text`: load the raw texts (local files, `datasets` names, the embedded corpus), or `prepared`:
-  memory-map a corpus that `python -m mlm_ddp.prepare` tokenized and packed once;
+  memory-map a corpus that `python -m mlm_ddp.prepare` tokenized and packed once; `mixture`: several
+  sources, each loaded so, mixed block by block by their weights;
 - `pack`: tokenize them and pack them into blocks;
 - `epochs` (map-style data) and `stream` (streams): share the blocks out over the ranks;
 - `feed`: hand each optimizer step its window of micro-batches, all ranks ending each epoch together;
@@ -19,6 +20,7 @@ by `epochs`' sampler, streams by `stream`'s split of the raw texts.
 from mlm_ddp.data.text import AnyDataset, embedded_corpus, load_text
 from mlm_ddp.data.prepared import load_prepared
 from mlm_ddp.data.pack import tokenize_and_pack
+from mlm_ddp.data.mixture import load_data, source_changes, sources_read_line
 from mlm_ddp.data.stream import check_stream_resume, shard_sizes
 from mlm_ddp.data.feed import FeedPosition, TrainFeed
 from mlm_ddp.data.rank import RankData, rank_data, to_device
@@ -31,6 +33,9 @@ __all__ = [
     "embedded_corpus",
     "load_text",
     "load_prepared",
+    "load_data",
+    "source_changes",
+    "sources_read_line",
     "tokenize_and_pack",
     "check_stream_resume",
     "shard_sizes",

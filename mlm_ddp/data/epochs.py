@@ -102,7 +102,7 @@ class EpochKeyed(torch.utils.data.Dataset):
         return [{**row, EPOCH_KEY: key // self.n} for row, key in zip(rows, keys, strict=True)]
 
 
-def _own_generator(seed: int) -> torch.Generator:
+def own_generator(seed: int) -> torch.Generator:
     """Each iter(DataLoader) draws a worker seed; from its own generator it leaves torch's global RNG
     (dropout) untouched, so a resumed run draws the same dropout masks as an uninterrupted one."""
     return torch.Generator().manual_seed(seed)
@@ -114,7 +114,7 @@ def train_loader(ds: AnyDataset, collator: Any, batch_size: int, rank: int, worl
     whose epochs are laid out for `layout_batch` (the global micro-batch of the run that began the
     training; default: this run's). `pin`: page-locked batches (for a CUDA device), which is what makes
     `to_device`'s non_blocking copies asynchronous; from pageable memory the host waits for each."""
-    common = dict(collate_fn=collator, num_workers=num_workers, generator=_own_generator(seed), pin_memory=pin)
+    common = dict(collate_fn=collator, num_workers=num_workers, generator=own_generator(seed), pin_memory=pin)
     if is_stream(ds):
         return DataLoader(ds, batch_size=batch_size, **common)
     sampler = EpochBatchSampler(len(ds), batch_size, rank, world_size, seed, layout_batch=layout_batch)
@@ -128,4 +128,4 @@ def eval_loader(ds: AnyDataset, collator: Any, batch_size: int, rank: int, world
     if not isinstance(ds, IterableDataset) and world_size > 1:
         ds = ds.shard(num_shards=world_size, index=rank, contiguous=True)
     return DataLoader(ds, batch_size=batch_size, collate_fn=collator, num_workers=num_workers,
-                      generator=_own_generator(0), pin_memory=pin)
+                      generator=own_generator(0), pin_memory=pin)

@@ -18,6 +18,7 @@ from typing import Any
 from torch.utils.data import DataLoader
 
 from mlm_ddp.data.epochs import EpochBatchSampler
+from mlm_ddp.data.mixture import MixedBlocks
 from mlm_ddp.data.stream import PackedStream, is_stream
 from mlm_ddp.errors import BadInput
 
@@ -245,6 +246,11 @@ class TrainFeed:
         if self._stream_state is not None:  # loaded but not read from yet
             return copy.deepcopy(self._stream_state)
         return self.loader.dataset.state_dict()
+
+    def sources(self) -> list[dict[str, Any]] | None:
+        """A mixture's sources as read so far: name, weight, tokens, passes (None: one source)."""
+        ds = self.loader.dataset
+        return ds.report(self.slot) if isinstance(ds, MixedBlocks) else None
 
     @property
     def epoch_float(self) -> float:

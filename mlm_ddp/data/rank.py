@@ -15,6 +15,7 @@ from mlm_ddp.collectives import patient_main_process_first
 from mlm_ddp.config import DataConfig, TrainingConfig
 from mlm_ddp.data.epochs import eval_loader, train_loader
 from mlm_ddp.data.feed import epoch_steps
+from mlm_ddp.data.mixture import MixedBlocks, Mixture, mixture_loader
 from mlm_ddp.data.pack import describe_sequences, pack_stats, tokenize_dataset
 from mlm_ddp.data.stream import PackedStream, is_stream, plan_stream_split, shard_stream, stream_sharding
 from mlm_ddp.data.text import AnyDataset
@@ -39,9 +40,15 @@ def rank_dataset(raw: AnyDataset, tokenizer: Any, cfg: DataConfig, rank: int, wo
                                 part_bytes=None if split.part_bytes is None else split.part_bytes[rank])
         return tokenize_dataset(part, tokenizer, cfg)
     limit = cfg.max_train_samples if shuffle_seed is not None else cfg.max_eval_samples
-    if cfg.prepared_data is not None:  # blocks already, memory-mapped (data.prepared)
+    if cfg.prepared_data is not None or is_blocks(raw, cfg):  # blocks already, memory-mapped (data.prepared)
         return _first_sequences(raw, limit)
     return _first_sequences(tokenize_dataset(raw, tokenizer, cfg), limit)
+
+
+def is_blocks(raw: Dataset, cfg: DataConfig) -> bool:
+    """A prepared folder's blocks (a mixture's source, or its held-out share), not texts."""
+    columns = raw.column_names or []
+    return "input_ids" in columns and cfg.text_column not in columns
 
 
 def to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
@@ -68,7 +75,11 @@ def rank_data(data: DataConfig, training: TrainingConfig, tokenizer: Any, raw_tr
     loaders with their masking collators; `layout_batch`: see `train_loader`."""
     rank, world = accelerator.process_index, accelerator.num_processes
     with patient_main_process_first(accelerator, preprocessing_timeout):
-        train_ds = rank_dataset(raw_train, tokenizer, data, rank, world, shuffle_seed=training.seed)
+        if isinstance(raw_train, Mixture):  # each source packed on its own, then mixed by global block (data.mixture)
+            train_ds: Any = MixedBlocks(raw_train.sources(lambda raw, config: rank_dataset(
+                raw, tokenizer, config, rank, world, shuffle_seed=training.seed)), training.seed)
+        else:
+            train_ds = rank_dataset(raw_train, tokenizer, data, rank, world, shuffle_seed=training.seed)
         if isinstance(raw_eval, dict):  # several held-out sources: each tokenized, packed and sharded on its
             # own, so that its blocks and masks are those it has as the only --validation_file
             eval_ds = {name: rank_dataset(raw, tokenizer, data, rank, world) for name, raw in raw_eval.items()}
@@ -84,8 +95,9 @@ def rank_data(data: DataConfig, training: TrainingConfig, tokenizer: Any, raw_tr
     eval_collator = MaskingCollator.for_tokenizer(tokenizer, split=EVAL_SPLIT,
                                                   mlm_probability=data.eval_mlm_probability, **common)
     pin = accelerator.device.type == "cuda"
-    train_dl = train_loader(train_ds, train_collator, training.per_device_train_batch_size, rank, world,
-                            training.seed, data.dataloader_num_workers, layout_batch, pin)
+    make_loader = mixture_loader if isinstance(train_ds, MixedBlocks) else train_loader
+    train_dl = make_loader(train_ds, train_collator, training.per_device_train_batch_size, rank, world,
+                           training.seed, data.dataloader_num_workers, layout_batch, pin)
     def held_out(ds: Any) -> DataLoader:
         return eval_loader(ds, eval_collator, training.per_device_eval_batch_size, rank, world,
                            data.dataloader_num_workers, pin)
@@ -103,6 +115,11 @@ def rank_data(data: DataConfig, training: TrainingConfig, tokenizer: Any, raw_tr
         training.num_train_epochs, sampler.epoch_blocks, sampler.global_batch * training.gradient_accumulation_steps)
     layout = "" if sampler.layout_batch == sampler.global_batch else (
         f" (the epochs keep the layout of the run that began, {sampler.layout_batch} per micro-batch)")
+    if isinstance(train_ds, MixedBlocks):
+        mix = train_ds.describe(total_steps * sampler.global_batch * training.gradient_accumulation_steps)
+        return RankData(train_ds, train_dl, train_collator, eval_dl, total_steps,
+                        f"{mix}; an epoch is a pass over the source of the largest weight, "
+                        f"{sampler.batches_per_epoch:g} micro-batches per rank{layout}")
     return RankData(train_ds, train_dl, train_collator, eval_dl, total_steps,
                     f"{describe_sequences(pack_stats(train_ds, seq), data)}, {sampler.batches_per_epoch:g} "
                     f"micro-batches per epoch per rank, {sampler.padding} sequences repeated to fill the last "

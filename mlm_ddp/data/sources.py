@@ -89,7 +89,10 @@ def resolve(data: DataConfig) -> Corpus:
     if data.train_file is None:
         raise BadInput("give the corpus: --train_file (a file, a folder or a glob) or --dataset_name (a local "
                        "dataset folder)")
-    splits = {"train": expand(data.train_file, "--train_file"), "eval": []}
+    if len(data.train_file) > 1:
+        raise BadInput(f"prepare writes one corpus, not {len(data.train_file)} --train_file sources: prepare each "
+                       "source into its own folder and mix the folders in training (--train_file A B --train_weights)")
+    splits = {"train": expand(data.train_file[0], "--train_file"), "eval": []}
     if data.validation_file is not None:
         if len(data.validation_file) > 1:
             raise BadInput(f"--validation_file: prepare writes one held-out set, not {len(data.validation_file)} "

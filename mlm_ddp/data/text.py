@@ -10,6 +10,7 @@ from typing import Any
 from datasets import Dataset, DatasetDict, IterableDataset, IterableDatasetDict, load_dataset
 
 from mlm_ddp.config import DataConfig
+from mlm_ddp.config.mixture import unique_names
 from mlm_ddp.errors import BadInput
 
 SUFFIX_BUILDERS = {".txt": "text", ".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
@@ -80,15 +81,16 @@ def load_text(cfg: DataConfig, seed: int) -> tuple[AnyDataset, AnyDataset | dict
         splits = {"train": raw}
         source = f"embedded corpus {EMBEDDED_CORPUS!r}"
     elif cfg.train_file is not None:
-        data_files = {"train": cfg.train_file}
-        builder = _builder_for(cfg.train_file, "--train_file")
+        train_file = cfg.train_file[0]  # one source (several: data.mixture, which loads each this way)
+        data_files = {"train": train_file}
+        builder = _builder_for(train_file, "--train_file")
         source_names(cfg.validation_file or [])  # one file given twice is refused before anything is read
         for split, path in zip(eval_splits(cfg.validation_file), cfg.validation_file or [], strict=False):
             if _builder_for(path, "--validation_file") != builder:
-                raise BadInput(f"--train_file {cfg.train_file} and --validation_file {path} must have the same format")
+                raise BadInput(f"--train_file {train_file} and --validation_file {path} must have the same format")
             data_files[split] = path
-        splits = _load(builder, None, data_files, cfg.streaming, f"--train_file {cfg.train_file}")
-        source = cfg.train_file
+        splits = _load(builder, None, data_files, cfg.streaming, f"--train_file {train_file}")
+        source = train_file
     else:
         splits = _load(cfg.dataset_name, cfg.dataset_config_name, None, cfg.streaming,
                        f"--dataset_name {cfg.dataset_name}")
@@ -134,6 +136,20 @@ def load_text(cfg: DataConfig, seed: int) -> tuple[AnyDataset, AnyDataset | dict
     return train, evaluation
 
 
+def load_held_out(cfg: DataConfig) -> AnyDataset | dict[str, AnyDataset]:
+    """The --validation_file sources loaded on their own, each by its own suffix (a mixture's training sources
+    may differ in format): one dataset, or {name: dataset} for several (`source_names`)."""
+    loaded = {}
+    for name, path in zip(source_names(cfg.validation_file), cfg.validation_file, strict=True):
+        ds = _load(_builder_for(path, "--validation_file"), None, {"validation": path}, False,
+                   f"--validation_file {path}")["validation"]
+        check_columns(ds.column_names, cfg.text_column, path)
+        if len(ds) == 0:
+            raise BadInput(f"--validation_file {path}: holds no texts")
+        loaded[name] = ds
+    return loaded if len(loaded) > 1 else next(iter(loaded.values()))
+
+
 def eval_splits(files: list[str] | None) -> list[str]:
     """The split each held-out file is loaded as: 'validation' (as before several were taken), then
     'validation_2', 'validation_3'..."""
@@ -141,29 +157,9 @@ def eval_splits(files: list[str] | None) -> list[str]:
 
 
 def source_names(paths: list[str]) -> list[str]:
-    """Each held-out file's name in the records: its stem, or where stems collide as much of its path as
-    tells it apart (a/general.txt and b/general.txt: 'general.txt' is no better, so 'a/general' and
-    'b/general'). One file given twice is refused."""
-    resolved = [Path(p).resolve() for p in paths]
-    for i, path in enumerate(resolved):
-        if path in resolved[:i]:
-            first = paths[resolved.index(path)]
-            raise BadInput(f"--validation_file {paths[i]}: given twice{f' (as {first})' if first != paths[i] else ''}; "
-                           "give each held-out file once")
-
-    def named(path: Path, level: int) -> str:  # 0: the stem, 1: the file name, k > 1: k - 1 folders and the stem
-        return path.stem if level == 0 else path.name if level == 1 else "/".join([*path.parts[-level:-1], path.stem])
-
-    levels = [0] * len(paths)
-    while True:
-        names = [named(p, level) for p, level in zip(resolved, levels, strict=True)]
-        clashing = [i for i, name in enumerate(names) if names.count(name) > 1]
-        if not clashing:
-            return names
-        if any(levels[i] >= len(resolved[i].parts) for i in clashing):
-            raise BadInput(f"--validation_file: two files are both named {names[clashing[0]]!r}; rename one")
-        for i in clashing:
-            levels[i] += 1
+    """Each held-out file's name in the records (`unique_names`: stems made unique; a file given twice is
+    refused)."""
+    return unique_names(paths, "--validation_file")
 
 
 def _load(path: str, name: str | None, data_files: dict | None, streaming: bool, flag: str) -> dict:

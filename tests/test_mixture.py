@@ -1,0 +1,255 @@
+"""Several training sources mixed by their weights (issue 47): `--train_file a b --train_weights 0.7 0.3`.
+
+The schedule and the mixed blocks on their own (pure), then runs: the realized token shares over 100 steps,
+the summary and the closing line, the same per-step losses on 1 process, 2 (gloo DDP) and FSDP and after a
+resume mid-run, prepared and `datasets`-folder sources, and bad input (one line, exit 2, nothing written)."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+from datasets import Dataset
+
+from mlm_ddp import prepare as prep
+from mlm_ddp.config import parse_args
+from mlm_ddp.data.mixture import MixedBlocks, Schedule, Source, apportion
+from mlm_ddp.masking import EPOCH_KEY
+from mlm_ddp.train import main
+from tests.conftest import NO_DROPOUT, SAME_STEPS, corpus_paragraphs, run_module, tiny_args, train_losses
+from tests.test_fsdp import FSDP_ENV, launch
+
+WEIGHTS = ["0.7", "0.3"]
+# dropout off and a constant rate (as test_fsdp's COMMON, which `launch` adds): every topology trains the same steps
+STEPS = ["--max_train_steps", "6", "--checkpointing_steps", "3", "--eval_steps", "6", *NO_DROPOUT,
+         "--lr_scheduler_type", "constant", "--report", "false"]
+
+
+@pytest.fixture(scope="module")
+def other(corpus: dict) -> Path:
+    """A second, smaller source: 40 paragraphs of the documentation that train.txt does not hold."""
+    path = corpus["root"] / "mix_other.txt"
+    path.write_text("\n".join(corpus_paragraphs()[900:940]) + "\n")
+    return path
+
+
+def mix_args(tiny_model: Path, corpus: dict, out: Path, other: Path, *extra: str) -> list[str]:
+    return tiny_args(tiny_model, corpus, out, "--train_file", str(corpus["train"]), str(other),
+                     "--train_weights", *WEIGHTS, *extra)
+
+
+def blocks(lengths: list[int]) -> Dataset:
+    return Dataset.from_dict({"input_ids": [[7] * n for n in lengths]})
+
+
+# --- pure parts --------------------------------------------------------------------------------------------
+
+
+def test_apportion_gives_whole_slots_in_proportion() -> None:
+    assert apportion([0.7, 0.3]) == [7, 3]
+    assert apportion([9, 1]) == [9, 1]
+    assert apportion([2, 2]) == [1, 1]
+    thirds = apportion([1, 1, 1])  # 10,000 slots cannot be split in three: within one slot
+    assert sum(thirds) == 10_000 and max(thirds) - min(thirds) == 1
+    counts = apportion([0.5, 0.3333, 0.1667])
+    assert abs(counts[1] / sum(counts) - 0.3333) < 1e-4
+    assert min(apportion([0.99999, 0.00001])) == 1  # a source never gets no slot
+
+
+def test_the_schedule_keeps_every_prefix_within_one_block_of_its_share() -> None:
+    schedule = Schedule.from_counts([5, 3, 2])
+    shares = np.array([0.5, 0.3, 0.2])
+    for slot in range(0, 300):
+        read = schedule.read_before(slot)
+        assert read.sum() == slot
+        assert np.all(np.abs(read - slot * shares) <= 1.0), (slot, read)
+        assert schedule.read_before(slot + 1)[schedule.source_of(slot)] == read[schedule.source_of(slot)] + 1
+
+
+def test_each_pass_of_a_source_reads_every_block_once_and_is_reshuffled() -> None:
+    sources = [Source("a", 0.5, blocks([4] * 10), np.full(10, 4)), Source("b", 0.5, blocks([4] * 3), np.full(3, 4))]
+    mixed = MixedBlocks(sources, seed=3)
+    located = [mixed.locate(slot) for slot in range(40)]  # a: 20 slots = 2 passes; b: 20 slots, 6+ passes
+    passes_a = [[b for s, p, b in located if s == 0 and p == k] for k in (0, 1)]
+    assert all(sorted(p) == list(range(10)) for p in passes_a) and passes_a[0] != passes_a[1]
+    assert located == [MixedBlocks(sources, seed=3).locate(slot) for slot in range(40)]  # pure
+    assert located != [MixedBlocks(sources, seed=4).locate(slot) for slot in range(40)]  # seeded
+    rows = mixed.__getitems__([0, 1, 39])
+    assert [r[EPOCH_KEY] for r in rows] == [p for _, p, _ in (located[0], located[1], located[39])]
+    assert mixed.report(40)[1]["passes"] == pytest.approx(20 / 3, abs=1e-4)
+
+
+def test_shares_are_of_tokens_when_blocks_differ_in_length() -> None:
+    """--line_by_line: lines of unequal length; slots are given in proportion to weight / mean length."""
+    rng = np.random.default_rng(0)
+    short, long = rng.integers(3, 12, size=97).tolist(), rng.integers(20, 64, size=31).tolist()
+    sources = [Source("short", 0.5, blocks(short), np.array(short)), Source("long", 0.5, blocks(long), np.array(long))]
+    report = MixedBlocks(sources, seed=0).report(20_000)
+    tokens = [r["tokens"] for r in report]
+    assert tokens[0] / sum(tokens) == pytest.approx(0.5, abs=0.005)
+
+
+def test_flags_and_a_yaml_list_give_the_same_sources(tmp_path: Path) -> None:
+    flags = parse_args(["--train_file", "d/legal.txt", "g.jsonl", "--train_weights", "0.9", "0.1"]).data
+    assert (flags.train_file, flags.train_weights, flags.train_names) == (["d/legal.txt", "g.jsonl"], [0.9, 0.1], None)
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(yaml.safe_dump({"data": {"train_file": [{"path": "d/legal.txt", "weight": 0.9, "name": "legal"},
+                                                              {"path": "g.jsonl", "weight": 0.1}]}}))
+    data = parse_args(["--config", str(recipe)]).data
+    assert (data.train_file, data.train_weights, data.train_names) == (["d/legal.txt", "g.jsonl"], [0.9, 0.1],
+                                                                       ["legal", "g"])
+    again = parse_args(shlex.split(parse_args(["--config", str(recipe)]).command_line())[3:]).data
+    assert (again.train_file, again.train_weights, again.train_names) == (data.train_file, data.train_weights,
+                                                                          data.train_names)
+    assert parse_args(["--train_file", "one.txt"]).data.train_file == ["one.txt"]  # one source: as before
+
+
+# --- runs -----------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def straight(tiny_model: Path, corpus: dict, other: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One process, 6 steps of 8 blocks, a checkpoint at step 3."""
+    out = tmp_path_factory.mktemp("mixture") / "straight"
+    assert main(mix_args(tiny_model, corpus, out, other, *STEPS)) == 0
+    return out
+
+
+def test_realized_token_shares_match_the_weights_over_100_steps(tiny_model: Path, corpus: dict, other: Path,
+                                                                tmp_path: Path,
+                                                                caplog: pytest.LogCaptureFixture) -> None:
+    """800 blocks: the larger source makes about 0.4 passes, the smaller (40 paragraphs) more than one, reshuffled."""
+    with caplog.at_level("INFO"):
+        assert main(mix_args(tiny_model, corpus, tmp_path / "run", other, "--max_train_steps", "100",
+                             "--logging_steps", "50", "--eval_steps", "1000", "--report", "false",
+                             "--train_names", "docs", "extra")) == 0
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    sources = summary["sources"]
+    assert [s["name"] for s in sources] == ["docs", "extra"] and [s["weight"] for s in sources] == [0.7, 0.3]
+    assert sum(s["tokens"] for s in sources) == summary["tokens_seen"]  # every trained token, counted once
+    for source, weight in zip(sources, (0.7, 0.3), strict=True):
+        assert source["tokens"] / summary["tokens_seen"] == pytest.approx(weight, abs=0.01)
+    assert sources[0]["passes"] < 1 < sources[1]["passes"]
+    closing = next(line for line in caplog.text.splitlines() if "done: 100 steps" in line)
+    assert f"; sources: docs {sources[0]['tokens']} tokens (70.0%" in closing and "passes)" in closing
+    start = next(line for line in caplog.text.splitlines() if "a mixture of 2 sources" in line)
+    assert "docs 70.0% of the tokens" in start and f"{sources[1]['passes']:.2f} passes in this run" in start
+
+
+def test_two_processes_fsdp_and_a_resume_train_the_same_steps(straight: Path, tiny_model: Path, corpus: dict,
+                                                              other: Path, tmp_path: Path) -> None:
+    """Global batch 8 every way (2 x 4), dropout off, fp32: the same blocks, masks and steps (SAME_STEPS)."""
+    reference = train_losses(straight)
+    assert sorted(reference) == list(range(1, 7))
+    for config in ("cpu_ddp.yaml", "fsdp.yaml"):
+        out = tmp_path / config
+        proc = run_module(launch(config, tiny_model, corpus, out, *STEPS, "--per_device_train_batch_size", "4",
+                                 "--train_file", str(corpus["train"]), str(other), "--train_weights", *WEIGHTS),
+                          env=FSDP_ENV if config == "fsdp.yaml" else None)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        losses = train_losses(out)
+        assert sorted(losses) == sorted(reference)
+        assert all(losses[s] == pytest.approx(reference[s], rel=SAME_STEPS) for s in reference), (config, losses)
+        summary = json.loads((out / "summary.json").read_text())
+        assert summary["sources"] == json.loads((straight / "summary.json").read_text())["sources"]
+    resumed = tmp_path / "resumed"
+    shutil.copytree(straight, resumed)
+    for later in ("summary.json", "final", "checkpoints/step-0000006"):
+        shutil.rmtree(resumed / later) if (resumed / later).is_dir() else (resumed / later).unlink()
+    assert main(mix_args(tiny_model, corpus, resumed, other, *STEPS, "--resume_from_checkpoint", "latest")) == 0
+    losses = train_losses(resumed)
+    assert all(losses[s] == pytest.approx(reference[s], rel=SAME_STEPS) for s in range(4, 7)), losses
+    assert json.loads((resumed / "summary.json").read_text())["sources"] == \
+        json.loads((straight / "summary.json").read_text())["sources"]
+
+
+def test_a_resume_with_other_weights_is_refused_unless_allowed(straight: Path, tiny_model: Path, corpus: dict,
+                                                                other: Path, tmp_path: Path,
+                                                                capsys: pytest.CaptureFixture,
+                                                                caplog: pytest.LogCaptureFixture) -> None:
+    out = tmp_path / "changed"
+    shutil.copytree(straight, out)
+    for later in ("summary.json", "final", "checkpoints/step-0000006"):
+        shutil.rmtree(out / later) if (out / later).is_dir() else (out / later).unlink()
+    before = sorted(p.name for p in out.rglob("*"))
+    args = [*tiny_args(tiny_model, corpus, out, *STEPS, "--train_file", str(corpus["train"]), str(other),
+                       "--train_weights", "0.5", "0.5", "--resume_from_checkpoint", "latest")]
+    assert main(args) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+    assert len(err) == 1 and "data.train_weights: [0.7, 0.3] -> [0.5, 0.5]" in err[0], err
+    assert sorted(p.name for p in out.rglob("*")) == before  # nothing written
+    with caplog.at_level("INFO"):
+        assert main([*args, "--allow_source_changes"]) == 0
+    assert "resuming with a changed setting: data.train_weights [0.7, 0.3] -> [0.5, 0.5]" in caplog.text
+    assert yaml.safe_load((out / "config.yaml").read_text())["data"]["allow_source_changes"] is True
+    weights = [s["weight"] for s in json.loads((out / "summary.json").read_text())["sources"]]
+    assert weights == [0.5, 0.5]
+
+
+def test_prepared_and_dataset_folder_sources_mix_with_a_file(tiny_model: Path, corpus: dict, other: Path,
+                                                             tmp_path: Path) -> None:
+    """Each source held out its own share (no --validation_file): each is evaluated apart, by name."""
+    prepared, folder = tmp_path / "prepared", tmp_path / "folder"
+    assert prep.main(["--model_name_or_path", str(tiny_model), "--train_file", str(other), "--max_seq_length", "32",
+                      "--output_dir", str(prepared)]) == 0
+    folder.mkdir()
+    shutil.copy(corpus["valid"], folder / "train.txt")
+    out = tmp_path / "out"
+    args = [a for a in tiny_args(tiny_model, corpus, out, "--max_train_steps", "20", "--report", "false",
+                                 "--train_file", str(corpus["train"]), str(prepared), str(folder),
+                                 "--train_weights", "2", "1", "1", "--eval_steps", "20")]
+    drop = args.index("--validation_file")
+    assert main(args[:drop] + args[drop + 2:]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert [s["name"] for s in summary["sources"]] == ["train", "prepared", "folder"]
+    shares = [s["tokens"] / summary["tokens_seen"] for s in summary["sources"]]
+    assert shares == pytest.approx([0.5, 0.25, 0.25], abs=0.02)  # 160 blocks: one block is 0.6%
+    assert set(summary["eval_after"]["sources"]) == {"train", "prepared", "folder"}
+
+
+def test_num_train_epochs_counts_passes_over_the_source_of_the_largest_weight(tiny_model: Path, corpus: dict,
+                                                                              other: Path, tmp_path: Path) -> None:
+    out = tmp_path / "epoch"
+    assert main(mix_args(tiny_model, corpus, out, other, "--num_train_epochs", "1", "--report", "false",
+                         "--eval_steps", "1000", "--max_train_samples", "60")) == 0  # 60 blocks of each: 11 steps
+    summary = json.loads((out / "summary.json").read_text())
+    first = summary["sources"][0]
+    # one whole pass, and no more than the rest of the last global batch (8 blocks) beyond it
+    assert 1.0 <= first["passes"] < 1.0 + 8 / 60 and summary["steps"] == 11
+
+
+@pytest.mark.parametrize("case", ["count", "zero", "negative", "unweighted", "missing", "empty", "names", "twice",
+                                  "streaming"])
+def test_bad_sources_are_one_line_and_exit_2_before_anything_is_written(
+        case: str, tiny_model: Path, corpus: dict, other: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    out, empty = tmp_path / "out", tmp_path / "empty.txt"
+    empty.write_text("")
+    train, extra = [str(corpus["train"]), str(other)], ()
+    flags = {"count": ["--train_weights", "1", "2", "3"], "zero": ["--train_weights", "1", "0"],
+             "negative": ["--train_weights", "1", "-1"], "unweighted": [],
+             "missing": ["--train_weights", "1", "1"], "empty": ["--train_weights", "1", "1"],
+             "names": ["--train_weights", "1", "1", "--train_names", "a", "a"],
+             "twice": ["--train_weights", "1", "1"], "streaming": ["--train_weights", "1", "1", "--streaming"]}[case]
+    if case == "missing":
+        train[1] = str(tmp_path / "nope.txt")
+    if case == "empty":
+        train[1] = str(empty)
+    if case == "twice":
+        train[1] = str(corpus["root"] / "." / "train.txt")
+    if case == "streaming":
+        extra = ("--max_train_steps", "2")
+    code = main(tiny_args(tiny_model, corpus, out, *extra, "--train_file", *train, *flags))
+    err = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+    assert code == 2 and len(err) == 1, err
+    expected = {"count": "3 weight(s) for 2 --train_file source(s)", "zero": "must be a positive number",
+                "negative": "must be a positive number", "unweighted": "give each one's share",
+                "missing": "nope.txt: no such file", "empty": "empty.txt: the file is empty",
+                "names": "two sources are both named 'a'", "twice": "given twice",
+                "streaming": "--streaming with 2 --train_file sources"}[case]
+    assert expected in err[0]
+    assert not out.exists()
