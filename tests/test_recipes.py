@@ -8,6 +8,7 @@ import math
 from pathlib import Path
 
 import pytest
+import yaml
 
 from mlm_ddp.config import parse_args
 from mlm_ddp.config.tree import shipped_recipes
@@ -34,6 +35,13 @@ def test_the_package_ships_the_three_recipes() -> None:
     for path in shipped_recipes().values():
         text = path.read_text()
         assert "Source:" in text and "Global batch assumed:" in text, path  # each cites and states its batch
+        assert "mlm_ddp's choice" in text, path  # the square-root rule is ours, not the source's (issue 45)
+    recipes = {name: yaml.safe_load(path.read_text()) for name, path in shipped_recipes().items()}
+    for name in ("dapt", "tapt", "modernbert"):  # the rule compares tokens: each states its batch's length
+        assert recipes[name]["training"]["lr_reference_seq_length"] == recipes[name]["data"]["max_seq_length"]
+    assert recipes["tapt"]["data"]["line_by_line"] is True  # one task text per sequence, as TAPT trained
+    assert not recipes["dapt"]["data"].get("line_by_line")
+    assert "What it leaves out" in shipped_recipes()["modernbert"].read_text()
 
 
 @pytest.mark.parametrize("name", sorted(shipped_recipes()))
