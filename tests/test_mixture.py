@@ -183,6 +183,12 @@ def test_a_resume_with_other_weights_is_refused_unless_allowed(straight: Path, t
     err = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
     assert len(err) == 1 and "data.train_weights: [0.7, 0.3] -> [0.5, 0.5]" in err[0], err
     assert sorted(p.name for p in out.rglob("*")) == before  # nothing written
+    swapped = [a if a != str(other) else str(corpus["valid"]) for a in args]  # another source, the same weights
+    swapped[swapped.index("0.5"):swapped.index("0.5") + 2] = WEIGHTS
+    assert main(swapped) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+    assert len(err) == 1 and "data.train_file" in err[0] and "valid.txt" in err[0], err
+    assert sorted(p.name for p in out.rglob("*")) == before
     with caplog.at_level("INFO"):
         assert main([*args, "--allow_source_changes"]) == 0
     assert "resuming with a changed setting: data.train_weights [0.7, 0.3] -> [0.5, 0.5]" in caplog.text
@@ -234,7 +240,8 @@ def test_bad_sources_are_one_line_and_exit_2_before_anything_is_written(
              "negative": ["--train_weights", "1", "-1"], "unweighted": [],
              "missing": ["--train_weights", "1", "1"], "empty": ["--train_weights", "1", "1"],
              "names": ["--train_weights", "1", "1", "--train_names", "a", "a"],
-             "twice": ["--train_weights", "1", "1"], "streaming": ["--train_weights", "1", "1", "--streaming"]}[case]
+             "twice": ["--train_weights", "1", "1", "--train_names", "a", "b"],  # named apart, still one file
+             "streaming": ["--train_weights", "1", "1", "--streaming"]}[case]
     if case == "missing":
         train[1] = str(tmp_path / "nope.txt")
     if case == "empty":

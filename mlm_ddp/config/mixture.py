@@ -96,6 +96,7 @@ def check_sources(data: Any) -> None:
             raise BadInput(f"--train_names gives {len(data.train_names)} name(s) for {count} --train_file "
                            "source(s): give one per source, in the same order")
     names = source_names(data)
+    unique_names(data.train_file, "--train_file")  # one file given twice is refused, whatever the names
     for i, name in enumerate(names):
         if name in names[:i]:
             raise BadInput(f"--train_names: two sources are both named {name!r}; give each source its own name")
