@@ -1,14 +1,15 @@
 """Generated configurations and the properties every run must keep (DESIGN.md pitfall 12).
 
-Over map-style and streamed data, 1 and 2 processes, accumulation 1 to 4, data so small that some rank
-gets fewer micro-batches than a window, checkpoints by steps and by epoch, and resumes into the same
-and into another folder, every run either
+Over map-style and streamed data and mixtures of two sources, 1 and 2 processes, accumulation 1 to 4,
+data so small that some rank gets fewer micro-batches than a window, checkpoints by steps and by epoch,
+and resumes into the same and into another folder, every run either
 
 - finishes with exactly the expected optimizer steps and checkpoints (a resumed one continuing the
   uninterrupted curve), changing nothing outside its own output folder, or
 - stops at once with exit code 2 and one error line, changing nothing at all;
 
-and no run hangs (each batch of runs has a time limit). The expected numbers are computed here from
+and no run hangs (each batch of runs has a time limit); a mixture on 2 processes trains the per-step losses
+of 1 process. The expected numbers are computed here from
 the token counts, independently of the training code. Runs of the same process count share one
 start-up (tests/matrix_driver.py).
 """
@@ -43,6 +44,7 @@ class Case:
     steps: int | None = None
     checkpoints: list[int] = field(default_factory=list)
     resumes_from: tuple[str, int] | None = None  # (case id, step) of the checkpoint it continues
+    same_curve_as: str | None = None  # the case (of another topology) whose per-step losses it trains
 
 
 def words_lines(count: int, offset: int) -> list[str]:
@@ -137,6 +139,17 @@ def build_cases(tiny_model: Path, root: Path) -> list[Case]:
                              "--checkpointing_steps", "epoch")
             cases.append(Case(out.name, procs, argv, out, exit=2))
 
+    # mixtures (issue 47): two files above, each read several times over, dropout off; 2 processes x batch 2
+    # train the steps of 1 process x batch 4 (one global batch, so the same blocks from the same sources)
+    no_dropout = ["--config_overrides", "hidden_dropout_prob=0,attention_probs_dropout_prob=0"]
+    for procs, batch in ((1, 4), (2, 2)):
+        for ga in (1, 2):
+            argv, out = base(f"mix-p{procs}-ga{ga}", files[7], batch, ga, "--train_file", str(files[7]),
+                             str(root / "data" / "map2-13.txt"), "--train_weights", "0.6", "0.4", *no_dropout,
+                             "--max_train_steps", "6", "--checkpointing_steps", "2")
+            cases.append(Case(out.name, procs, argv, out, steps=6, checkpoints=[2, 4, 6],
+                              same_curve_as=f"mix-p1-ga{ga}" if procs == 2 else None))
+
     # resumes from the first checkpoint of finished runs (one in two), alternately into the same folder
     # (the later checkpoints are set aside) and into a fresh one; and into another run's folder: refused
     finished = [c for c in cases if c.exit == 0 and c.checkpoints and c.checkpoints[0] < c.steps]
@@ -200,6 +213,10 @@ def check(case: Case, result: dict, cases: dict[str, Case], curves: dict[str, di
     if case.resumes_from is None:
         assert sorted(curve) == list(range(1, case.steps + 1))
         assert result["checkpoints"] == case.checkpoints
+        if case.same_curve_as is not None:
+            reference = curves[case.same_curve_as]
+            assert all(abs(curve[s] - reference[s]) <= SAME_STEPS * abs(reference[s]) + 1e-7 for s in curve), (
+                curve, reference)
         return
     source_id, step = case.resumes_from
     same_folder = case.out == cases[source_id].out

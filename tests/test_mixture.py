@@ -1,8 +1,9 @@
 """Several training sources mixed by their weights (issue 47): `--train_file a b --train_weights 0.7 0.3`.
 
 The schedule and the mixed blocks on their own (pure), then runs: the realized token shares over 100 steps,
-the summary and the closing line, the same per-step losses on 1 process, 2 (gloo DDP) and FSDP and after a
-resume mid-run, prepared and `datasets`-folder sources, and bad input (one line, exit 2, nothing written)."""
+the summary and the closing line, the same per-step losses on 1 process and FSDP and after a resume mid-run
+(2-process DDP: tests/test_matrix.py), prepared and `datasets`-folder sources, and bad input (one line,
+exit 2, nothing written)."""
 
 from __future__ import annotations
 
@@ -141,22 +142,22 @@ def test_realized_token_shares_match_the_weights_over_100_steps(tiny_model: Path
     assert "docs 70.0% of the tokens" in start and f"{sources[1]['passes']:.2f} passes in this run" in start
 
 
-def test_two_processes_fsdp_and_a_resume_train_the_same_steps(straight: Path, tiny_model: Path, corpus: dict,
-                                                              other: Path, tmp_path: Path) -> None:
-    """Global batch 8 every way (2 x 4), dropout off, fp32: the same blocks, masks and steps (SAME_STEPS)."""
+def test_fsdp_and_a_resume_train_the_same_steps(straight: Path, tiny_model: Path, corpus: dict, other: Path,
+                                                tmp_path: Path) -> None:
+    """FSDP on 2 processes x 4 (global batch 8), dropout off, fp32: the same blocks, masks and steps as 1 process
+    (SAME_STEPS); 2-process DDP is compared in the shared runs of tests/test_matrix.py (its mix-p2 cases)."""
     reference = train_losses(straight)
     assert sorted(reference) == list(range(1, 7))
-    for config in ("cpu_ddp.yaml", "fsdp.yaml"):
-        out = tmp_path / config
-        proc = run_module(launch(config, tiny_model, corpus, out, *STEPS, "--per_device_train_batch_size", "4",
-                                 "--train_file", str(corpus["train"]), str(other), "--train_weights", *WEIGHTS),
-                          env=FSDP_ENV if config == "fsdp.yaml" else None)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        losses = train_losses(out)
-        assert sorted(losses) == sorted(reference)
-        assert all(losses[s] == pytest.approx(reference[s], rel=SAME_STEPS) for s in reference), (config, losses)
-        summary = json.loads((out / "summary.json").read_text())
-        assert summary["sources"] == json.loads((straight / "summary.json").read_text())["sources"]
+    out = tmp_path / "fsdp"
+    proc = run_module(launch("fsdp.yaml", tiny_model, corpus, out, *STEPS, "--per_device_train_batch_size", "4",
+                             "--train_file", str(corpus["train"]), str(other), "--train_weights", *WEIGHTS),
+                      env=FSDP_ENV)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    losses = train_losses(out)
+    assert sorted(losses) == sorted(reference)
+    assert all(losses[s] == pytest.approx(reference[s], rel=SAME_STEPS) for s in reference), losses
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["sources"] == json.loads((straight / "summary.json").read_text())["sources"]
     resumed = tmp_path / "resumed"
     shutil.copytree(straight, resumed)
     for later in ("summary.json", "final", "checkpoints/step-0000006"):
