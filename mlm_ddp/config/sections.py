@@ -139,8 +139,9 @@ class DataConfig:
         default=None,
     )
     allow_source_changes: bool = _doc(
-        "Resume even when the checkpoint's run mixed other --train_file sources, weights or names; the mixture "
-        "continues from the same global position with the new sources (recorded in config.yaml and the log).",
+        "Resume even when the checkpoint's run mixed other --train_file sources, weights or names; the new mixture "
+        "goes on from the saved position (epoch and block within it), each source where the new mixture would have "
+        "it (recorded in config.yaml and the log).",
         default=False,
     )
     validation_file: list[str] | None = _doc(
