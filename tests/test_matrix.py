@@ -140,7 +140,8 @@ def build_cases(tiny_model: Path, root: Path) -> list[Case]:
             cases.append(Case(out.name, procs, argv, out, exit=2))
 
     # mixtures (issue 47): two files above, each read several times over, dropout off; 2 processes x batch 2
-    # train the steps of 1 process x batch 4 (one global batch, so the same blocks from the same sources)
+    # train the steps of 1 process x batch 4 (one global batch, so the same blocks from the same sources);
+    # streamed mixtures finish and resume exactly (their blocks depend on the ranks' parts, as one stream's)
     no_dropout = ["--config_overrides", "hidden_dropout_prob=0,attention_probs_dropout_prob=0"]
     for procs, batch in ((1, 4), (2, 2)):
         for ga in (1, 2):
@@ -149,6 +150,13 @@ def build_cases(tiny_model: Path, root: Path) -> list[Case]:
                              "--max_train_steps", "6", "--checkpointing_steps", "2")
             cases.append(Case(out.name, procs, argv, out, steps=6, checkpoints=[2, 4, 6],
                               same_curve_as=f"mix-p1-ga{ga}" if procs == 2 else None))
+        # streamed: each rank reads its parts of both sources, which run out and restart within the run
+        argv, out = base(f"mixstream-p{procs}", files[7], 2, 1, "--streaming", "--train_file",
+                         str(root / "data" / "stream-24.txt"), str(root / "data" / "map2-13.txt"),
+                         "--train_weights", "0.6", "0.4", "--max_train_steps", str(STREAM_STEPS),
+                         "--checkpointing_steps", str(STREAM_EVERY), "--shuffle_buffer_size", "4")
+        cases.append(Case(out.name, procs, argv, out, steps=STREAM_STEPS,
+                          checkpoints=list(range(STREAM_EVERY, STREAM_STEPS + 1, STREAM_EVERY))))
 
     # resumes from the first checkpoint of finished runs (one in two), alternately into the same folder
     # (the later checkpoints are set aside) and into a fresh one; and into another run's folder: refused

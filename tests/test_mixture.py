@@ -230,8 +230,31 @@ def test_num_train_epochs_counts_passes_over_the_source_of_the_largest_weight(ti
     assert 1.0 <= first["passes"] < 1.0 + 8 / 60 and summary["steps"] == 11
 
 
+def test_streamed_sources_mix_run_out_and_resume_exactly(tiny_model: Path, corpus: dict, other: Path,
+                                                         tmp_path: Path) -> None:
+    """--streaming: 4 texts of each source (about 10 blocks), so every source runs out and starts its next
+    pass within 6 steps of 8 blocks; a resume from step 3 trains the uninterrupted steps 4 to 6."""
+    args = [*STEPS, "--streaming", "--max_train_samples", "4", "--shuffle_buffer_size", "3"]
+    straight = tmp_path / "straight"
+    assert main(mix_args(tiny_model, corpus, straight, other, *args)) == 0
+    summary = json.loads((straight / "summary.json").read_text())
+    assert [s["name"] for s in summary["sources"]] == ["train", "mix_other"]
+    assert sum(s["tokens"] for s in summary["sources"]) == summary["tokens_seen"]
+    assert all(s["passes"] >= 2 for s in summary["sources"]), summary["sources"]
+    shares = [s["tokens"] / summary["tokens_seen"] for s in summary["sources"]]
+    assert shares == pytest.approx([0.7, 0.3], abs=0.05)  # shares of 48 blocks, a few of them short
+    resumed = tmp_path / "resumed"
+    shutil.copytree(straight, resumed)
+    for later in ("summary.json", "final", "checkpoints/step-0000006"):
+        shutil.rmtree(resumed / later) if (resumed / later).is_dir() else (resumed / later).unlink()
+    assert main(mix_args(tiny_model, corpus, resumed, other, *args, "--resume_from_checkpoint", "latest")) == 0
+    reference, losses = train_losses(straight), train_losses(resumed)
+    assert all(losses[s] == pytest.approx(reference[s], rel=SAME_STEPS) for s in range(4, 7)), (losses, reference)
+    assert json.loads((resumed / "summary.json").read_text())["sources"] == summary["sources"]
+
+
 @pytest.mark.parametrize("case", ["count", "zero", "negative", "unweighted", "missing", "empty", "names", "twice",
-                                  "streaming"])
+                                  "stream_lines"])
 def test_bad_sources_are_one_line_and_exit_2_before_anything_is_written(
         case: str, tiny_model: Path, corpus: dict, other: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     out, empty = tmp_path / "out", tmp_path / "empty.txt"
@@ -242,14 +265,14 @@ def test_bad_sources_are_one_line_and_exit_2_before_anything_is_written(
              "missing": ["--train_weights", "1", "1"], "empty": ["--train_weights", "1", "1"],
              "names": ["--train_weights", "1", "1", "--train_names", "a", "a"],
              "twice": ["--train_weights", "1", "1", "--train_names", "a", "b"],  # named apart, still one file
-             "streaming": ["--train_weights", "1", "1", "--streaming"]}[case]
+             "stream_lines": ["--train_weights", "1", "1", "--streaming", "--line_by_line"]}[case]
     if case == "missing":
         train[1] = str(tmp_path / "nope.txt")
     if case == "empty":
         train[1] = str(empty)
     if case == "twice":
         train[1] = str(corpus["root"] / "." / "train.txt")
-    if case == "streaming":
+    if case == "stream_lines":
         extra = ("--max_train_steps", "2")
     code = main(tiny_args(tiny_model, corpus, out, *extra, "--train_file", *train, *flags))
     err = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
@@ -258,6 +281,6 @@ def test_bad_sources_are_one_line_and_exit_2_before_anything_is_written(
                 "negative": "must be a positive number", "unweighted": "give each one's share",
                 "missing": "nope.txt: no such file", "empty": "empty.txt: the file is empty",
                 "names": "two sources are both named 'a'", "twice": "given twice",
-                "streaming": "--streaming with 2 --train_file sources"}[case]
+                "stream_lines": "--streaming --line_by_line with 2 --train_file sources"}[case]
     assert expected in err[0]
     assert not out.exists()

@@ -100,11 +100,10 @@ def check_sources(data: Any) -> None:
     for i, name in enumerate(names):
         if name in names[:i]:
             raise BadInput(f"--train_names: two sources are both named {name!r}; give each source its own name")
-    if count > 1 and data.streaming:
-        raise BadInput(f"--streaming with {count} --train_file sources: a mixture is drawn block by block from "
-                       "sources read map-style (each reshuffled at its every pass); for corpora too large to "
-                       "tokenize at start-up, prepare each source with python -m mlm_ddp.prepare and give the "
-                       "prepared folders as the sources")
+    if count > 1 and data.streaming and data.line_by_line:
+        raise BadInput(f"--streaming --line_by_line with {count} --train_file sources: a weight is a share of the "
+                       "tokens, and a stream's line lengths are known only once read; mix streams packed (drop "
+                       "--line_by_line), or mix the sources map-style (drop --streaming)")
 
 
 def source_names(data: Any) -> list[str]:

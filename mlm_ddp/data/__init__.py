@@ -4,7 +4,7 @@ One module per step of the pipeline:
 
 - `text`: load the raw texts (local files, `datasets` names, the embedded corpus), or `prepared`:
   memory-map a corpus that `python -m mlm_ddp.prepare` tokenized and packed once; `mixture`: several
-  sources, each loaded so, mixed block by block by their weights;
+  sources, each loaded so, mixed block by block by their weights (`mixed_stream`: streams so mixed);
 - `pack`: tokenize them and pack them into blocks;
 - `epochs` (map-style data) and `stream` (streams): share the blocks out over the ranks;
 - `feed`: hand each optimizer step its window of micro-batches, all ranks ending each epoch together;

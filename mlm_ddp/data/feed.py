@@ -18,6 +18,7 @@ from typing import Any
 from torch.utils.data import DataLoader
 
 from mlm_ddp.data.epochs import EpochBatchSampler
+from mlm_ddp.data.mixed_stream import MixedStream
 from mlm_ddp.data.mixture import MixedBlocks
 from mlm_ddp.data.stream import PackedStream, is_stream
 from mlm_ddp.errors import BadInput
@@ -136,8 +137,8 @@ class TrainFeed:
         self.any_rank = any_rank
         self.gather = gather if gather is not None else (lambda values: [values])
         self.stream = is_stream(loader.dataset)
-        # a PackedStream read in this process can say exactly where it is; anything else re-reads
-        self.exact = isinstance(loader.dataset, PackedStream) and loader.num_workers == 0
+        # a PackedStream (or a mixture of them) read in this process can say exactly where it is; anything else re-reads
+        self.exact = isinstance(loader.dataset, (PackedStream, MixedStream)) and loader.num_workers == 0
         self.sampler: EpochBatchSampler | None = None if self.stream else loader.batch_sampler
         self.dropped_batches = 0
         self.last_epoch_batches = 0  # micro-batches each rank trained on in the last stream epoch
@@ -250,6 +251,8 @@ class TrainFeed:
     def sources(self) -> list[dict[str, Any]] | None:
         """A mixture's sources as read so far: name, weight, tokens, passes (None: one source)."""
         ds = self.loader.dataset
+        if isinstance(ds, MixedStream):  # counted per rank: a collective, which every rank makes here
+            return ds.report(self.gather)
         return ds.report(self.slot) if isinstance(ds, MixedBlocks) else None
 
     @property

@@ -15,6 +15,7 @@ from mlm_ddp.collectives import patient_main_process_first
 from mlm_ddp.config import DataConfig, TrainingConfig
 from mlm_ddp.data.epochs import eval_loader, train_loader
 from mlm_ddp.data.feed import epoch_steps
+from mlm_ddp.data.mixed_stream import MixedStream
 from mlm_ddp.data.mixture import MixedBlocks, Mixture, mixture_loader
 from mlm_ddp.data.pack import describe_sequences, pack_stats, tokenize_dataset
 from mlm_ddp.data.stream import PackedStream, is_stream, plan_stream_split, shard_stream, stream_sharding
@@ -75,9 +76,16 @@ def rank_data(data: DataConfig, training: TrainingConfig, tokenizer: Any, raw_tr
     loaders with their masking collators; `layout_batch`: see `train_loader`."""
     rank, world = accelerator.process_index, accelerator.num_processes
     with patient_main_process_first(accelerator, preprocessing_timeout):
-        if isinstance(raw_train, Mixture):  # each source packed on its own, then mixed by global block (data.mixture)
-            train_ds: Any = MixedBlocks(raw_train.sources(lambda raw, config: rank_dataset(
-                raw, tokenizer, config, rank, world, shuffle_seed=training.seed)), training.seed)
+        def part(raw: AnyDataset, config: DataConfig) -> Any:
+            return rank_dataset(raw, tokenizer, config, rank, world, shuffle_seed=training.seed)
+
+        if isinstance(raw_train, Mixture) and data.streaming:  # each source this rank's part of its stream
+            train_ds: Any = MixedStream([part(raw, config) for raw, config in zip(raw_train.raw, raw_train.configs,
+                                                                                 strict=True)],
+                                        raw_train.names, raw_train.shares, training.per_device_train_batch_size,
+                                        rank, world)
+        elif isinstance(raw_train, Mixture):  # each source packed on its own, then mixed by global block (data.mixture)
+            train_ds = MixedBlocks(raw_train.sources(part), training.seed)
         else:
             train_ds = rank_dataset(raw_train, tokenizer, data, rank, world, shuffle_seed=training.seed)
         if isinstance(raw_eval, dict):  # several held-out sources: each tokenized, packed and sharded on its
@@ -106,6 +114,12 @@ def rank_data(data: DataConfig, training: TrainingConfig, tokenizer: Any, raw_tr
         eval_dl = {name: held_out(ds) for name, ds in eval_ds.items()}
     else:
         eval_dl = None if eval_ds is None else held_out(eval_ds)
+    if isinstance(train_ds, MixedStream):
+        shares = ", ".join(f"{n} {s:.1%}" for n, s in zip(train_ds.names, train_ds.shares, strict=True))
+        return RankData(train_ds, train_dl, train_collator, eval_dl, training.max_train_steps,
+                        f"streaming a mixture of {len(train_ds.parts)} sources ({shares} of the blocks, each "
+                        f"block's source fixed by its global position; each source's texts split over the ranks "
+                        f"as one stream's), tokenized on the fly")
     if is_stream(train_ds):
         return RankData(train_ds, train_dl, train_collator, eval_dl, training.max_train_steps,
                         f"streaming, tokenized on the fly; {stream_sharding(raw_train.num_shards, world)}; "

@@ -286,4 +286,5 @@ def check_stream_resume(datasets_version: str) -> None:
 
 
 def is_stream(ds: Any) -> bool:
-    return isinstance(ds, (IterableDataset, PackedStream))
+    """A stream of `datasets`, or one of ours (a PackedStream, a mixture of them)."""
+    return isinstance(ds, (IterableDataset, torch.utils.data.IterableDataset))

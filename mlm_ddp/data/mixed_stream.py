@@ -1,0 +1,95 @@
+"""A mixture of streams (`--streaming` with several `--train_file` sources): each source is split over the
+ranks as one stream is (`stream.PackedStream`, this rank's part), and the round-robin of `mixture.Schedule`
+says which source each slot of this rank reads, by the slot's global index (rank r's slice of each global
+micro-batch). So every global batch takes the same number of blocks from each source on every topology
+(which blocks depends on the parts, as with one stream); a part that runs out starts its next pass,
+reshuffled (`PackedStream.set_epoch(pass)`); the position (this rank's blocks read, and each part's pass
+and exact stream position) is saved per rank and resumed exactly. The mixture never ends an epoch: the
+feed's epoch stays where it began (another number of processes on resume: every part at its next pass).
+
+Shares here are shares of blocks: a stream's mean block length is known only once read. With packing a
+block holds --max_seq_length tokens but one shorter block per chunk of texts, so that is a share of tokens
+to within those blocks; --line_by_line is refused (`config.mixture`).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from mlm_ddp.data.mixture import Schedule, apportion
+from mlm_ddp.data.stream import PackedStream
+from mlm_ddp.errors import BadInput
+from mlm_ddp.masking import EPOCH_KEY
+
+
+class MixedStream(torch.utils.data.IterableDataset):
+    """This rank's blocks of several sources' parts, slot by slot (see the module docstring)."""
+
+    def __init__(self, parts: list[PackedStream], names: list[str], shares: list[float], batch_size: int,
+                 rank: int, world_size: int) -> None:
+        self.parts, self.names, self.shares = parts, names, shares
+        self.schedule = Schedule.from_counts(apportion(shares))
+        self.batch_size, self.rank, self.global_batch = batch_size, rank, batch_size * world_size
+        self.split, self.part_bytes = "mixture", None  # what a stream's epoch end reports (never reached)
+        self.tokens = [0] * len(parts)  # this rank's tokens of each source, the run so far
+        self.set_epoch(0)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Start epoch `epoch` afresh: every part at its pass `epoch` (a fresh start, or another topology)."""
+        self.epoch, self._resume, self.read = epoch, None, 0
+        self.passes = [epoch] * len(self.parts)
+
+    def slot(self, i: int) -> int:
+        """The global slot of this rank's i-th block of the epoch."""
+        return (i // self.batch_size) * self.global_batch + self.rank * self.batch_size + i % self.batch_size
+
+    @property
+    def reread_texts(self) -> int:
+        return sum(part.reread_texts for part in self.parts)
+
+    def state_dict(self) -> dict[str, Any]:
+        parts = [part.state_dict() for part in self.parts]
+        return {"epoch": self.epoch, "read": self.read, "passes": list(self.passes), "tokens": list(self.tokens),
+                "parts": parts, "chunk": max(p["chunk"] for p in parts), "blocks": self.read}  # the last two: the log's
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.set_epoch(state["epoch"])
+        self._resume = copy.deepcopy(state)
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        if self._resume is not None:
+            self.read, self.passes, self.tokens = self._resume["read"], self._resume["passes"], self._resume["tokens"]
+            for part, state in zip(self.parts, self._resume["parts"], strict=True):
+                part.load_state_dict(state)  # its epoch is its pass
+        else:
+            for part, pass_ in zip(self.parts, self.passes, strict=True):
+                part.set_epoch(pass_)
+        self._resume = None
+        reading = [iter(part) for part in self.parts]
+        while True:
+            source = self.schedule.source_of(self.slot(self.read))
+            block = next(reading[source], None)
+            if block is None:  # this part ran out: its next pass, reshuffled
+                self.passes[source] += 1
+                self.parts[source].set_epoch(self.passes[source])
+                reading[source] = iter(self.parts[source])
+                block = next(reading[source], None)
+                if block is None:
+                    raise BadInput(f"training source {self.names[source]!r}: rank {self.rank}'s part of the stream "
+                                   "holds no text; give it more text or use fewer processes")
+            self.read += 1
+            self.tokens[source] += len(block["input_ids"])
+            yield {**block, EPOCH_KEY: self.passes[source]}
+
+    def report(self, gather: Any) -> list[dict[str, Any]]:
+        """Each source's name, weight, tokens (all ranks; `gather` is a collective) and passes begun (the most
+        of any rank's part: a stream's length is unknown, so whole passes)."""
+        rows = gather([float(t) for t in self.tokens] + [float(p) for p in self.passes])
+        count = len(self.parts)
+        return [{"name": name, "weight": share, "tokens": int(sum(row[s] for row in rows)),
+                 "passes": int(max(row[count + s] for row in rows)) + 1}
+                for s, (name, share) in enumerate(zip(self.names, self.shares, strict=True))]
