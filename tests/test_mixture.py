@@ -254,7 +254,7 @@ def test_streamed_sources_mix_run_out_and_resume_exactly(tiny_model: Path, corpu
 
 
 @pytest.mark.parametrize("case", ["count", "zero", "negative", "unweighted", "missing", "empty", "names", "twice",
-                                  "stream_lines"])
+                                  "stream_lines", "stream_workers"])
 def test_bad_sources_are_one_line_and_exit_2_before_anything_is_written(
         case: str, tiny_model: Path, corpus: dict, other: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     out, empty = tmp_path / "out", tmp_path / "empty.txt"
@@ -265,14 +265,15 @@ def test_bad_sources_are_one_line_and_exit_2_before_anything_is_written(
              "missing": ["--train_weights", "1", "1"], "empty": ["--train_weights", "1", "1"],
              "names": ["--train_weights", "1", "1", "--train_names", "a", "a"],
              "twice": ["--train_weights", "1", "1", "--train_names", "a", "b"],  # named apart, still one file
-             "stream_lines": ["--train_weights", "1", "1", "--streaming", "--line_by_line"]}[case]
+             "stream_lines": ["--train_weights", "1", "1", "--streaming", "--line_by_line"],
+             "stream_workers": ["--train_weights", "1", "1", "--streaming", "--dataloader_num_workers", "2"]}[case]
     if case == "missing":
         train[1] = str(tmp_path / "nope.txt")
     if case == "empty":
         train[1] = str(empty)
     if case == "twice":
         train[1] = str(corpus["root"] / "." / "train.txt")
-    if case == "stream_lines":
+    if case.startswith("stream"):
         extra = ("--max_train_steps", "2")
     code = main(tiny_args(tiny_model, corpus, out, *extra, "--train_file", *train, *flags))
     err = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
@@ -281,6 +282,7 @@ def test_bad_sources_are_one_line_and_exit_2_before_anything_is_written(
                 "negative": "must be a positive number", "unweighted": "give each one's share",
                 "missing": "nope.txt: no such file", "empty": "empty.txt: the file is empty",
                 "names": "two sources are both named 'a'", "twice": "given twice",
-                "stream_lines": "--streaming --line_by_line with 2 --train_file sources"}[case]
+                "stream_lines": "--streaming --line_by_line with 2 --train_file sources",
+                "stream_workers": "drop --dataloader_num_workers 2"}[case]
     assert expected in err[0]
     assert not out.exists()
