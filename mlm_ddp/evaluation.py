@@ -10,7 +10,7 @@ import functools
 import itertools
 import math
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from accelerate import Accelerator
@@ -22,10 +22,19 @@ from mlm_ddp.collectives import sharded
 from mlm_ddp.heartbeat import PhaseReport, unreported
 from mlm_ddp.masking import IGNORE_INDEX, percent
 from mlm_ddp.model import check_loss_sum
-from mlm_ddp.run_log import RunLog, TrainingClock
+from mlm_ddp.speed import TrainingClock
 
 logger = get_logger(__name__)
 Batch = dict[str, torch.Tensor]
+
+
+class EvalLog(Protocol):
+    """What the evaluator needs of the run's log (run_log.RunLog): the loop's parts sit below the run's
+    outputs, so the evaluator names the two calls it makes instead of importing the log."""
+
+    def first_eval(self) -> dict[str, Any] | None: ...
+
+    def write(self, record: dict[str, Any], with_tokens: bool = True) -> None: ...
 
 
 def masked_lm_metrics(loss_sum: float, masked: int, correct: int) -> dict[str, float]:
@@ -146,7 +155,7 @@ class Evaluator:
         self.first: dict[str, float] | None = None  # before training (of the run a resume continues)
         self.last: dict[str, float] | None = None  # the latest evaluation during training
 
-    def before_training(self, step: int, log: RunLog, start: Any) -> None:
+    def before_training(self, step: int, log: EvalLog, start: Any) -> None:
         """The evaluation before training (step 0 of metrics.jsonl); a resumed run takes its own run's,
         unless the held-out files changed since (`start`: run_folder.Start, its accepted changes)."""
         self.beat(step, "eval")

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from mlm_ddp.config.sections import check_masking
 from mlm_ddp.errors import BadInput
 from mlm_ddp.positions import loss_layout
 
@@ -30,22 +31,6 @@ def sample_rng(seed: int, split: int, epoch: int, token_ids: np.ndarray) -> np.r
     """A generator keyed by the sample's content, so its mask is the same wherever it is read."""
     digest = hashlib.blake2b(np.ascontiguousarray(token_ids, dtype=np.int64).tobytes(), digest_size=8)
     return np.random.default_rng([seed, split, epoch, int.from_bytes(digest.digest(), "little")])
-
-
-def check_masking(mlm_probability: float, mask_replace_prob: float, random_replace_prob: float,
-                  rate_flag: str = "--mlm_probability") -> None:
-    """BadInput unless the rate is in (0, 1) and the replacement split is two fractions summing to at most 1."""
-    if not 0.0 < mlm_probability < 1.0:
-        raise BadInput(f"{rate_flag} must be strictly between 0 and 1, got {mlm_probability} "
-                       "(the usual value is 0.15)")
-    for flag, value in (("--mask_replace_prob", mask_replace_prob), ("--random_replace_prob", random_replace_prob)):
-        if not 0.0 <= value <= 1.0:
-            raise BadInput(f"{flag} is a fraction of the selected tokens, in [0, 1]; got {value} "
-                           "(BERT's split: --mask_replace_prob 0.8 --random_replace_prob 0.1)")
-    if mask_replace_prob + random_replace_prob > 1.0 + 1e-9:
-        raise BadInput(f"--mask_replace_prob {mask_replace_prob} + --random_replace_prob {random_replace_prob} "
-                       "exceeds 1: they are shares of the same selected tokens (the rest stay unchanged); "
-                       "lower one of them")
 
 
 def percent(rate: float) -> str:

@@ -120,7 +120,7 @@ def sequence_length(requested: int | None, pooling: Pooling, model_config: Any, 
 def load_encoder(name: str) -> tuple[PreTrainedModel, Any]:
     """(encoder, tokenizer) of a model folder, a Hub name, a run's final/ or one of its checkpoints/step-N."""
     if is_checkpoint(name):
-        from mlm_ddp.predict import load_for_prediction  # the checkpoint protocol: its config.yaml, its weights
+        from mlm_ddp.trained import load_for_prediction  # the checkpoint protocol: its config.yaml, its weights
 
         model, tokenizer = load_for_prediction(name)
         return model.base_model, tokenizer

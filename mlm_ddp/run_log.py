@@ -9,9 +9,7 @@ import functools
 import importlib.util
 import json
 import os
-import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,36 +24,13 @@ from mlm_ddp.config import Config, RunConfig
 from mlm_ddp.durable import write_atomic
 from mlm_ddp.errors import BadInput
 from mlm_ddp.heartbeat import PhaseReport, unreported
+from mlm_ddp.speed import TrainingClock
 from mlm_ddp.step import StepResult
 
 logger = get_logger(__name__)
 KNOWN_TRACKERS = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}  # name -> module
 TRACKING_PROJECT = "mlm_ddp"  # the wandb project, the MLflow experiment
 METRICS_FILE = "metrics.jsonl"
-
-
-class TrainingClock:
-    """Seconds spent training, without evaluation and checkpoint saves, so that tokens/s measures
-    the training step alone."""
-
-    def __init__(self) -> None:
-        self.training_s, self._lap_start, self._paused_s = 0.0, time.perf_counter(), 0.0
-
-    @contextmanager
-    def paused(self) -> Iterator[None]:
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            self._paused_s += time.perf_counter() - start
-
-    def lap(self) -> float:
-        """Training seconds since the previous lap."""
-        now = time.perf_counter()
-        elapsed = max(now - self._lap_start - self._paused_s, 1e-9)
-        self.training_s += elapsed
-        self._lap_start, self._paused_s = now, 0.0
-        return elapsed
 
 
 @dataclass

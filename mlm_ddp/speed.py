@@ -1,11 +1,13 @@
 """What a training step's speed means: its matmul FLOPs per token, the device's peak measured the
 way the models run, and MFU (model FLOPs utilisation: achieved FLOP/s over that peak), as
-`mlm_ddp.train` logs it and `mlm_ddp.bench` prints it."""
+`mlm_ddp.train` logs it and `mlm_ddp.bench` prints it; the training clock that times the steps alone."""
 
 from __future__ import annotations
 
 import math
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -13,6 +15,30 @@ from accelerate import Accelerator
 
 FLOP_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers", "vocab_size")
 TRAINING_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}  # accelerate's mixed_precision -> matmul dtype
+
+
+class TrainingClock:
+    """Seconds spent training, without evaluation and checkpoint saves, so that tokens/s measures
+    the training step alone."""
+
+    def __init__(self) -> None:
+        self.training_s, self._lap_start, self._paused_s = 0.0, time.perf_counter(), 0.0
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._paused_s += time.perf_counter() - start
+
+    def lap(self) -> float:
+        """Training seconds since the previous lap."""
+        now = time.perf_counter()
+        elapsed = max(now - self._lap_start - self._paused_s, 1e-9)
+        self.training_s += elapsed
+        self._lap_start, self._paused_s = now, 0.0
+        return elapsed
 
 
 def training_flops_per_token(model_config: Any, seq: int, head_fraction: float,

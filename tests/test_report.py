@@ -112,11 +112,11 @@ def test_never_overwrites_a_page_it_did_not_write(runs: tuple[Path, Path], tmp_p
 
 def test_tokens_per_s_counts_training_time_only(monkeypatch: pytest.MonkeyPatch) -> None:
     """Evaluation and checkpoint saves pause the clock, so the throughput curve has no dips at them."""
-    from mlm_ddp import run_log
+    from mlm_ddp import speed
 
     now = [100.0]
-    monkeypatch.setattr(run_log.time, "perf_counter", lambda: now[0])
-    clock = run_log.TrainingClock()
+    monkeypatch.setattr(speed.time, "perf_counter", lambda: now[0])
+    clock = speed.TrainingClock()
     now[0] += 2.0  # a training step
     assert clock.lap() == 2.0
     with clock.paused():

@@ -8,9 +8,25 @@ from typing import Any, Literal
 
 from mlm_ddp.config.mixture import check_sources
 from mlm_ddp.errors import BadInput
-from mlm_ddp.masking import check_masking
 
 DEFAULT_SPLIT_PERCENTAGE = 5.0  # --validation_split_percentage
+
+
+# the masking rate and split are config values (masking.py applies them): checked where they are declared
+def check_masking(mlm_probability: float, mask_replace_prob: float, random_replace_prob: float,
+                  rate_flag: str = "--mlm_probability") -> None:
+    """BadInput unless the rate is in (0, 1) and the replacement split is two fractions summing to at most 1."""
+    if not 0.0 < mlm_probability < 1.0:
+        raise BadInput(f"{rate_flag} must be strictly between 0 and 1, got {mlm_probability} "
+                       "(the usual value is 0.15)")
+    for flag, value in (("--mask_replace_prob", mask_replace_prob), ("--random_replace_prob", random_replace_prob)):
+        if not 0.0 <= value <= 1.0:
+            raise BadInput(f"{flag} is a fraction of the selected tokens, in [0, 1]; got {value} "
+                           "(BERT's split: --mask_replace_prob 0.8 --random_replace_prob 0.1)")
+    if mask_replace_prob + random_replace_prob > 1.0 + 1e-9:
+        raise BadInput(f"--mask_replace_prob {mask_replace_prob} + --random_replace_prob {random_replace_prob} "
+                       "exceeds 1: they are shares of the same selected tokens (the rest stay unchanged); "
+                       "lower one of them")
 
 
 def _doc(text: str, **kwargs: Any) -> Any:
