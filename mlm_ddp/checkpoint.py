@@ -395,6 +395,22 @@ class Checkpointer:
             return checkpoints_dir(self.out) / step_dir_name(state.step)
         return self.save(state, data_state)
 
+    def resume(self, start: Any, precision: tuple[str, str]) -> dict | None:
+        """Restore the start's checkpoint (`start`: run_folder.Start; a fresh run has none) and say what differs
+        from it; returns this rank's saved stream position (None: nothing saved, or saved by another number
+        of processes, whose ranks read other parts of the stream)."""
+        if start.resume_from is None:
+            return None
+        self.restore(start.resume_from, start.accepted_changes, start.state.step)
+        logger.info("resumed from %s at step %d%s", start.resume_from, start.state.step,
+                    f", written by {start.written_by} process(es)" if start.elastic else "")
+        if start.note:
+            logger.warning("%s", start.note)
+        if start.state.precision not in (None, precision[0]):
+            logger.warning("the precision changed: the checkpoint trained in %s, this run trains in %s (%s)",
+                           start.state.precision, *precision)
+        return None if start.elastic else read_data_state(start.resume_from, self.accelerator.process_index)
+
     def restore(self, path: Path, accepted_changes: dict, step: int) -> None:
         """Load a checkpoint that `run_folder.check_resume` accepted. Tensors come from safetensors or from
         `torch.load(weights_only=True)` (accelerate's default), the scheduler from JSON: a folder that

@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from mlm_ddp import flight
-from mlm_ddp.distributed import Topology, check_accelerator, export_for_accelerate
+from mlm_ddp.distributed import Topology, check_accelerator, cpu_threads_per_process, detect, export_for_accelerate
+from mlm_ddp.heartbeat import diagnose
 from mlm_ddp.precision import agree_precision, fsdp2_policy
 
 
@@ -227,6 +228,10 @@ def start_accelerator(topo: Topology, fsdp_plugin: Any, training: Any, precision
         logger.info("FSDP on CPU processes: the accelerate config asks for FSDP, which accelerate would run as "
                     "DDP on a CPU; mlm_ddp keeps its FSDP2 plugin (gloo)")
     check_accelerator(topo, accelerator.num_processes, str(accelerator.distributed_type))
+    if accelerator.device.type == "cpu":
+        import torch
+
+        torch.set_num_threads(cpu_threads_per_process(training.cpu_threads))
     return Started(accelerator, precision, wait, scope)
 
 
@@ -367,3 +372,14 @@ def lost_contact(topo: Topology, err: Exception) -> str:
             "or hung for longer than --ddp_timeout (--rendezvous_timeout while starting); the launcher's report "
             f"or that process's log says which and why. Cause: {type(err).__name__}: {str(err).strip()[:300]}")
 
+
+def failure_line(err: RuntimeError, output_dir: str | None, prog: str) -> str | None:
+    """The error line of a collective that failed in a distributed job (None: `err` is not one): whom this
+    rank lost contact with and, from the heartbeats in `output_dir`, the rank that hung first."""
+    topo = detect(cuda_devices=0)
+    if not (topo.distributed and is_collective_failure(err)):
+        return None
+    if output_dir is not None:  # gloo writes no Flight Recorder dump of its own
+        flight.dump(os.environ, topo.rank)
+    first = diagnose(output_dir) if output_dir is not None else None
+    return f"{prog}: error: {lost_contact(topo, err)}" + (f"\n{prog}: error: hang: {first}" if first else "")

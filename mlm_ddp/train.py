@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 import sys
 import time
 from collections.abc import Callable
@@ -29,13 +28,14 @@ from accelerate import Accelerator
 from accelerate.logging import get_logger
 from accelerate.utils import set_seed
 
-from mlm_ddp import branch, collectives, distributed, flight, precision, probing, watchdog
+from mlm_ddp import branch, collectives, distributed, precision, probing, watchdog
 from mlm_ddp import checkpoint as ckpt
 from mlm_ddp import data as mdata
 from mlm_ddp.config import Config, parse_args
+from mlm_ddp.data.rank import train_feed
 from mlm_ddp.errors import EXIT_FAILED, BadInput, Preempted, RunEnded, say
 from mlm_ddp.evaluation import Evaluator, masked_note, sources_line
-from mlm_ddp.heartbeat import Beat, Heartbeat, diagnose
+from mlm_ddp.heartbeat import Beat, Heartbeat
 from mlm_ddp.hub import check_hub, push
 from mlm_ddp.model import load_model, load_model_config, load_tokenizer, max_positions
 from mlm_ddp.optim import prepare_for_training
@@ -135,16 +135,6 @@ def stream_bytes(cfg: Config) -> int | None:
 # ---------------------------------------------------------------------------------------------
 
 
-def load_weights(cfg: Config, checked: Checked, accelerator: Accelerator) -> Any:
-    """The transformers model, loaded on every rank before anything is written: a bad checkpoint or an
-    attention kernel the model lacks is a BadInput on all of them alike."""
-    set_seed(cfg.training.seed)  # the fresh MLM head (if any) is initialised identically on every rank
-    transformers_model = load_model(cfg.model, checked.model_config)
-    if accelerator.device.type == "cpu":
-        torch.set_num_threads(distributed.cpu_threads_per_process(cfg.training.cpu_threads))
-    return transformers_model
-
-
 @dataclass
 class Training:
     """Everything `build` made, which `fit` and `finish` use."""
@@ -180,7 +170,8 @@ def build(cfg: Config, checked: Checked, hooks: Hooks) -> Training:
                                             timeouts, checked.trackers, path)
     accelerator, checked.precision, wait = started.accelerator, started.precision, started.wait
     agree_on_resume(start.resume_from, wait)
-    transformers_model = load_weights(cfg, checked, accelerator)
+    set_seed(cfg.training.seed)  # the fresh MLM head (if any) is initialised identically on every rank
+    transformers_model = load_model(cfg.model, checked.model_config)  # on every rank before anything is written
     data = mdata.rank_data(cfg.data, cfg.training, checked.tokenizer, checked.raw_train, checked.raw_eval,
                            accelerator, cfg.run.preprocessing_timeout, start.state.layout_batch)
     model, optimizer, scheduler, n_params = prepare_for_training(accelerator, transformers_model, cfg,
@@ -193,18 +184,11 @@ def build(cfg: Config, checked: Checked, hooks: Hooks) -> Training:
     checkpointer = ckpt.Checkpointer(cfg.run, accelerator, wait, scheduler, cfg.to_yaml(),
                                      start.state.step if start.resume_from else None, hooks.before_checkpoint_marker,
                                      heartbeat.beat)
-    if start.resume_from is not None:
-        checkpointer.restore(start.resume_from, start.accepted_changes, start.state.step)
-        logger.info("resumed from %s at step %d%s", start.resume_from, start.state.step,
-                    f", written by {start.written_by} process(es)" if start.elastic else "")
-        if start.note:
-            logger.warning("%s", start.note)
-        if start.state.precision not in (None, checked.precision[0]):
-            logger.warning("the precision changed: the checkpoint trained in %s, this run trains in %s (%s)",
-                           start.state.precision, *checked.precision)
+    stream_state = checkpointer.resume(start, checked.precision)
     describe_start(cfg, checked.topo, checked.precision, accelerator,
                    f"{data.note}; {data.total_steps} optimizer steps", model, n_params)
-    feed, stream_state = train_feed(cfg, start, accelerator, data, heartbeat)
+    feed = train_feed(data, cfg.training.gradient_accumulation_steps, start.state, stream_state, accelerator,
+                      heartbeat.collective)
     # the first write: every check passed, the checkpoint loaded and the stream fills a step
     checked.folder.prepare(accelerator, wait, start)
     heartbeat.start()
@@ -218,31 +202,6 @@ def build(cfg: Config, checked: Checked, hooks: Hooks) -> Training:
     skips = SkippedSteps(cfg.run.on_nonfinite_loss, accelerator, spikes, checkpointer.latest)
     return Training(cfg, checked, accelerator, wait, data, model, optimizer, scheduler, feed, stream_state, log,
                     evaluator, checkpointer, heartbeat, hooks, spikes, skips, every)
-
-
-def train_feed(cfg: Config, start: Start, accelerator: Accelerator, data: mdata.RankData,
-               heartbeat: Heartbeat) -> tuple[mdata.TrainFeed, dict | None]:
-    """The feed of optimizer-step windows from the start's data position, and the stream position it
-    resumed (a stream position is this rank's part's: another number of processes has other parts). A
-    stream's feed agrees on every window and epoch end (collectives): each tells the heartbeat first."""
-    state = start.state
-    stream_state = (ckpt.read_data_state(start.resume_from, accelerator.process_index)
-                    if start.resume_from and not start.elastic else None)
-
-    def any_rank(flag: bool) -> bool:
-        with heartbeat.collective("the all-reduce of the stream's ran-out flags"):
-            return collectives.any_rank(accelerator, flag)
-
-    def gather_rows(values: list[float]) -> list[list[float]]:
-        with heartbeat.collective("the gather of every rank's account of the stream's epoch"):
-            return collectives.gather_rows(accelerator, values)
-
-    feed = mdata.TrainFeed(data.train_loader, data.train_collator, cfg.training.gradient_accumulation_steps,
-                           state.epoch, state.batch_in_epoch, any_rank, stream_state, gather_rows,
-                           state.block_in_epoch)
-    if feed.stream and state.step < data.total_steps:  # only reading tells whether a stream fills a step
-        feed.prime()  # before anything is written
-    return feed, stream_state
 
 
 # ---------------------------------------------------------------------------------------------
@@ -466,14 +425,10 @@ def main(argv: list[str] | None = None, hooks: Hooks | None = None) -> int:
         say(err.line("mlm_ddp.train"))
         return err.exit_code
     except RuntimeError as err:  # DistError is one; gloo inside DDP's backward raises a plain one
-        topo = distributed.detect(cuda_devices=0)
-        if not (topo.distributed and collectives.is_collective_failure(err)):
+        line = collectives.failure_line(err, cfg.run.output_dir if cfg is not None else None, "mlm_ddp.train")
+        if line is None:
             raise
-        if cfg is not None:  # gloo writes no Flight Recorder dump of its own
-            flight.dump(os.environ, topo.rank)
-        first = diagnose(cfg.run.output_dir) if cfg is not None else None
-        say(f"mlm_ddp.train: error: {collectives.lost_contact(topo, err)}"
-            + (f"\nmlm_ddp.train: error: hang: {first}" if first else ""))
+        say(line)
         return EXIT_FAILED
     return 0
 

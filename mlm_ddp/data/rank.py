@@ -4,6 +4,8 @@ collators and the run's length (`rank_data`), and its batches on the device (`to
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
@@ -11,10 +13,10 @@ import torch
 from datasets import Dataset, IterableDataset
 from torch.utils.data import DataLoader
 
-from mlm_ddp.collectives import patient_main_process_first
+from mlm_ddp.collectives import any_rank, gather_rows, patient_main_process_first
 from mlm_ddp.config import DataConfig, TrainingConfig
 from mlm_ddp.data.epochs import eval_loader, train_loader
-from mlm_ddp.data.feed import epoch_steps
+from mlm_ddp.data.feed import TrainFeed, epoch_steps
 from mlm_ddp.data.mixed_stream import MixedStream
 from mlm_ddp.data.mixture import MixedBlocks, Mixture, mixture_loader
 from mlm_ddp.data.pack import describe_sequences, pack_stats, tokenize_dataset
@@ -138,3 +140,24 @@ def rank_data(data: DataConfig, training: TrainingConfig, tokenizer: Any, raw_tr
                     f"{describe_sequences(pack_stats(train_ds, seq), data)}, {sampler.batches_per_epoch:g} "
                     f"micro-batches per epoch per rank, {sampler.padding} sequences repeated to fill the last "
                     f"global batch{layout}; rank r takes slice r of every global batch")
+
+
+def train_feed(data: RankData, accumulation: int, state: Any, stream_state: dict | None, accelerator: Any,
+               collective: Callable[[str], AbstractContextManager]) -> TrainFeed:
+    """The feed of optimizer-step windows from a checkpoint's data position (`state`, its counters) and
+    this rank's saved stream position. A stream's feed agrees on every window and epoch end: each such
+    collective is named first through `collective` (the heartbeat's, which this package does not import)."""
+
+    def ran_out(flag: bool) -> bool:
+        with collective("the all-reduce of the stream's ran-out flags"):
+            return any_rank(accelerator, flag)
+
+    def gathered(values: list[float]) -> list[list[float]]:
+        with collective("the gather of every rank's account of the stream's epoch"):
+            return gather_rows(accelerator, values)
+
+    feed = TrainFeed(data.train_loader, data.train_collator, accumulation, state.epoch, state.batch_in_epoch, ran_out,
+                     stream_state, gathered, state.block_in_epoch)
+    if feed.stream and state.step < data.total_steps:  # only reading tells whether a stream fills a step
+        feed.prime()  # before anything is written
+    return feed
