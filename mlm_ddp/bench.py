@@ -8,7 +8,7 @@ shared machine slows both alike; the ratio is what to read, never one absolute n
     with its head over the whole vocabulary at every position, `DataCollatorForLanguageModeling`,
     `model(**batch).loss`, `accelerator.backward`, torch's default AdamW.
 (b) mlm_ddp's training step with its defaults: the functions `mlm_ddp.train` runs (MaskedLMLoss,
-    MaskingCollator, build_optimizer and `mlm_ddp.step.train_step`, gradient clipping included).
+    MaskingCollator, build_optimizer and `mlm_ddp.loop.step.train_step`, gradient clipping included).
 
 After training, both models are evaluated on the same held-out blocks with the same masks.
 A benchmark, not a test: nothing here asserts a speed.
@@ -41,12 +41,16 @@ from accelerate import Accelerator
 from transformers import AutoModelForMaskedLM, DataCollatorForLanguageModeling, HfArgumentParser
 
 from mlm_ddp import data as mdata
-from mlm_ddp import distributed, heartbeat, precision, watchdog_cost
-from mlm_ddp.checkpoint import StopSignals
+from mlm_ddp.cluster import heartbeat, precision, watchdog_cost
+from mlm_ddp.cluster import launcher as distributed
 from mlm_ddp.config import ModelConfig, _doc, from_dict
+from mlm_ddp.data.masking import EVAL_SPLIT, IGNORE_INDEX, TRAIN_SPLIT, MaskingCollator
 from mlm_ddp.errors import BadInput
-from mlm_ddp.masking import EVAL_SPLIT, IGNORE_INDEX, TRAIN_SPLIT, MaskingCollator
-from mlm_ddp.model import (
+from mlm_ddp.loop.checkpoint import StopSignals
+from mlm_ddp.loop.optim import build_optimizer
+from mlm_ddp.loop.speed import measure_peak, synchronize, training_flops_per_token
+from mlm_ddp.loop.step import StepResult, agree_on_step, train_step
+from mlm_ddp.model.loading import (
     MaskedLMLoss,
     load_model,
     load_model_config,
@@ -54,9 +58,6 @@ from mlm_ddp.model import (
     resolve_model_path,
     wrap_model,
 )
-from mlm_ddp.optim import build_optimizer
-from mlm_ddp.speed import measure_peak, synchronize, training_flops_per_token
-from mlm_ddp.step import StepResult, agree_on_step, train_step
 
 PRECISIONS = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}  # bench name -> Accelerator(mixed_precision=)
 

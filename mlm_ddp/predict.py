@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from mlm_ddp.errors import BadInput
-from mlm_ddp.trained import load_for_prediction
+from mlm_ddp.loop.trained import load_for_prediction
 
 
 @dataclass(frozen=True)

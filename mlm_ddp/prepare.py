@@ -36,14 +36,14 @@ import pyarrow.compute as pc
 from datasets.arrow_writer import ArrowWriter
 from transformers import HfArgumentParser
 
-from mlm_ddp import distributed
+from mlm_ddp.cluster import launcher as distributed
+from mlm_ddp.cluster.durable import fsync_dir, write_atomic
 from mlm_ddp.config import DataConfig, ModelConfig, _doc
 from mlm_ddp.data import prepared as fmt
 from mlm_ddp.data.pack import TOKENIZE_BATCH
 from mlm_ddp.data.pool import Packer, WorkerDied, Workers
 from mlm_ddp.data.sources import PROG, Corpus, FileRead, count_rows, owned_chunks, reader, resolve
 from mlm_ddp.data.stream import balance_shards
-from mlm_ddp.durable import fsync_dir, write_atomic
 from mlm_ddp.errors import EXIT_BAD_INPUT, BadInput, say
 
 
@@ -319,7 +319,7 @@ def which_task(opts: PrepareConfig) -> tuple[int, int]:
 
 def planned(model: ModelConfig, data: DataConfig, opts: PrepareConfig, tasks: int) -> tuple[Any, Path, dict]:
     """(the tokenizer, the folder, its plan): the plan made, and written or checked against the folder's."""
-    from mlm_ddp.model import load_tokenizer
+    from mlm_ddp.model.loading import load_tokenizer
 
     corpus = resolve(data)
     for split, files in corpus.left_out.items():

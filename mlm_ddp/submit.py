@@ -29,7 +29,7 @@ from typing import Any, Literal
 
 from transformers import HfArgumentParser
 
-from mlm_ddp import distributed
+from mlm_ddp.cluster import launcher as distributed
 from mlm_ddp.config import _doc, parse_args
 from mlm_ddp.errors import EXIT_BAD_INPUT, EXIT_REQUEUE, AlreadyFinished, BadInput, Preempted
 from mlm_ddp.train import setup_logging, train

@@ -28,21 +28,24 @@ from accelerate import Accelerator
 from accelerate.logging import get_logger
 from accelerate.utils import set_seed
 
-from mlm_ddp import branch, collectives, distributed, precision, probing, watchdog
-from mlm_ddp import checkpoint as ckpt
 from mlm_ddp import data as mdata
+from mlm_ddp.cluster import collectives, precision, watchdog
+from mlm_ddp.cluster import launcher as distributed
+from mlm_ddp.cluster.heartbeat import Beat, Heartbeat
 from mlm_ddp.config import Config, parse_args
 from mlm_ddp.data.rank import train_feed
 from mlm_ddp.errors import EXIT_FAILED, BadInput, Preempted, RunEnded, say
-from mlm_ddp.evaluation import Evaluator, masked_note, sources_line
-from mlm_ddp.heartbeat import Beat, Heartbeat
-from mlm_ddp.hub import check_hub, push
-from mlm_ddp.model import load_model, load_model_config, load_tokenizer, max_positions
-from mlm_ddp.optim import prepare_for_training
-from mlm_ddp.run_folder import RunFolder, Start, agree_on_resume, model_card
-from mlm_ddp.run_log import RunLog, check_trackers, describe_start, utilisation
-from mlm_ddp.spikes import LossSpikes
-from mlm_ddp.step import SkippedSteps, StepResult, agree_on_step, settle_step, train_step
+from mlm_ddp.loop import branch
+from mlm_ddp.loop import checkpoint as ckpt
+from mlm_ddp.loop.evaluation import Evaluator, masked_note, sources_line
+from mlm_ddp.loop.optim import prepare_for_training
+from mlm_ddp.loop.spikes import LossSpikes
+from mlm_ddp.loop.step import SkippedSteps, StepResult, agree_on_step, settle_step, train_step
+from mlm_ddp.model.loading import load_model, load_model_config, load_tokenizer, max_positions
+from mlm_ddp.run import probing
+from mlm_ddp.run.hub import check_hub, push
+from mlm_ddp.run.run_folder import RunFolder, Start, agree_on_resume, model_card
+from mlm_ddp.run.run_log import RunLog, check_trackers, describe_start, utilisation
 
 logger = get_logger(__name__)
 

@@ -64,7 +64,7 @@ if out.overwrite_output_dir:
 ' --resume_from_checkpoint auto "$@" || exit 2
 
 # One rendezvous for all nodes: the first node's address and a port derived from the job id
-# (mlm_ddp.distributed.slurm_master_port computes the same number). This script runs on the first
+# (mlm_ddp.cluster.launcher.slurm_master_port computes the same number). This script runs on the first
 # node, where the master listens: if another program holds that port, take the next free one.
 MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)
 [[ -n $MASTER_ADDR ]] || die "scontrol expanded the node list '$SLURM_JOB_NODELIST' to nothing"

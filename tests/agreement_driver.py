@@ -10,11 +10,11 @@ from pathlib import Path
 
 from accelerate import Accelerator
 
-from mlm_ddp import checkpoint as ckpt
-from mlm_ddp.collectives import MainProcessWait
+from mlm_ddp.cluster.collectives import MainProcessWait
 from mlm_ddp.config import RunConfig
 from mlm_ddp.errors import BadInput
-from mlm_ddp.run_folder import agree_on_resume
+from mlm_ddp.loop import checkpoint as ckpt
+from mlm_ddp.run.run_folder import agree_on_resume
 
 
 def view(root: Path, rank: int) -> Path:

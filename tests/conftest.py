@@ -188,7 +188,7 @@ def free_port() -> int:
     test_hang starts five 2-process runs at once, whose gloo connections did that on a loaded machine
     (EADDRINUSE). Below the range only explicit binds compete: 10000-14999, under the ports Slurm jobs
     derive (mlm_ddp.SLURM_PORT_BASE), never one this process handed out already."""
-    from mlm_ddp.distributed import SLURM_PORT_BASE
+    from mlm_ddp.cluster.launcher import SLURM_PORT_BASE
 
     try:
         low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
@@ -310,7 +310,7 @@ def tiny_unigram_model(corpus: dict[str, Path], tmp_path_factory: pytest.TempPat
 def recorded_batches() -> Iterator[list[tuple[int, list[dict], dict]]]:
     """(split, examples, batch) of every batch a MaskingCollator makes in this process inside the block,
     in order: what a run called here (DataLoader workers: 0) really trained and evaluated on."""
-    from mlm_ddp.masking import MaskingCollator
+    from mlm_ddp.data.masking import MaskingCollator
 
     made: list[tuple[int, list[dict], dict]] = []
     collate = MaskingCollator.__call__
@@ -330,7 +330,7 @@ def words_masked(batches: list[tuple[int, list[dict], dict]], special_ids: list[
     a run of non-special tokens, each after the first continuing its predecessor (word_continues)."""
     import numpy as np
 
-    from mlm_ddp.masking import IGNORE_INDEX, TRAIN_SPLIT
+    from mlm_ddp.data.masking import IGNORE_INDEX, TRAIN_SPLIT
 
     part = whole = 0
     for split, examples, batch in batches:

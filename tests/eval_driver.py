@@ -14,7 +14,7 @@ import sys
 import weakref
 from pathlib import Path
 
-from mlm_ddp.masking import TRAIN_SPLIT, MaskingCollator
+from mlm_ddp.data.masking import TRAIN_SPLIT, MaskingCollator
 from mlm_ddp.train import main as train_main
 
 

@@ -55,7 +55,7 @@ def pause(seconds: float) -> None:
 if "faketime" in os.environ.get("LD_PRELOAD", ""):
     time.sleep = pause
 
-from mlm_ddp.heartbeat import ALIVE_EVERY_S, Beat  # noqa: E402 - after the patch, for modules that bind sleep
+from mlm_ddp.cluster.heartbeat import ALIVE_EVERY_S, Beat  # noqa: E402 - after the patch, for modules that bind sleep
 from mlm_ddp.train import Hooks  # noqa: E402
 from mlm_ddp.train import main as train_main  # noqa: E402
 
@@ -92,7 +92,7 @@ def kill_node_at(step: int, beat: Beat) -> None:
 
 
 def slow_evaluations(seconds: float) -> None:
-    from mlm_ddp import evaluation
+    from mlm_ddp.loop import evaluation
 
     evaluate = evaluation.evaluate_mlm
 
@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     if faults.slow_eval_s is not None:
         slow_evaluations(faults.slow_eval_s)
     if faults.slow_final_s is not None:  # after final/ is saved, while the other ranks have finished
-        from mlm_ddp.run_folder import RunFolder
+        from mlm_ddp.run.run_folder import RunFolder
 
         delay_on_rank(faults.slow_final_s, RunFolder, "write_summary")
     if faults.slow_load is not None:

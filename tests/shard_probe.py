@@ -16,7 +16,7 @@ import torch
 from accelerate import Accelerator
 from datasets import Dataset
 
-from mlm_ddp import distributed
+from mlm_ddp.cluster import launcher as distributed
 from mlm_ddp.data.epochs import train_loader
 from mlm_ddp.data.feed import TrainFeed
 from mlm_ddp.data.stream import shard_stream

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from mlm_ddp.collectives import gloo_interface
+from mlm_ddp.cluster.collectives import gloo_interface
 from mlm_ddp.config import RunConfig
 from mlm_ddp.errors import BadInput
 from tests.conftest import CONFIGS, LAUNCH, free_port, run_module
@@ -35,7 +35,7 @@ def test_ranks_with_different_views_of_the_folder_agree_on_rank_0s_checkpoint_or
 def test_only_the_uploading_rank_asks_the_hub(monkeypatch: pytest.MonkeyPatch) -> None:
     import huggingface_hub
 
-    from mlm_ddp import hub
+    from mlm_ddp.run import hub
 
     asked: list[str] = []
     monkeypatch.setattr(hub, "offline", lambda: False)
@@ -84,7 +84,7 @@ def test_ranks_that_would_choose_other_precisions_train_in_rank_0s_and_rank_0_na
     (here, what it returns: each rank's own value in rank order)."""
     from accelerate import PartialState
 
-    from mlm_ddp.precision import agree_precision
+    from mlm_ddp.cluster.precision import agree_precision
 
     PartialState(cpu=True)  # accelerate's logger needs its state
     own = {0: ("bf16", "auto: compute capability 9.0"), 1: ("fp16", "auto: compute capability 7.0"),

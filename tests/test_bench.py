@@ -10,7 +10,7 @@ import torch
 from transformers import AutoConfig, BertConfig, BertForMaskedLM
 
 from mlm_ddp.bench import main, time_to_quality
-from mlm_ddp.speed import training_flops_per_token
+from mlm_ddp.loop.speed import training_flops_per_token
 
 
 def test_flops_per_token_counts_every_linear_layer_of_the_model() -> None:
@@ -86,7 +86,7 @@ def test_measuring_the_peak_leaves_the_random_state_alone() -> None:
     # generator would shift every later dropout mask of a resumed run
     from accelerate import Accelerator
 
-    from mlm_ddp.speed import measure_peak
+    from mlm_ddp.loop.speed import measure_peak
 
     before = torch.get_rng_state()
     assert measure_peak(Accelerator(cpu=True), min_seconds=0.05) > 0
@@ -112,7 +112,7 @@ def test_the_timed_steps_wait_for_the_device_where_the_programs_they_stand_for_d
     from mlm_ddp import bench
     from mlm_ddp import data as mdata
     from mlm_ddp.config import ModelConfig
-    from mlm_ddp.model import load_model_config, load_tokenizer
+    from mlm_ddp.model.loading import load_model_config, load_tokenizer
     from tests.test_syncs import BOOLEAN_INDEXED, DATA_DEPENDENT, HOST_SIDE, SCALAR_READS
 
     seen: list[str] = []

@@ -15,9 +15,9 @@ import pytest
 from transformers import AutoTokenizer
 
 from mlm_ddp.config import parse_args
+from mlm_ddp.data.masking import EVAL_SPLIT, IGNORE_INDEX, TRAIN_SPLIT
 from mlm_ddp.errors import BadInput
-from mlm_ddp.masking import EVAL_SPLIT, IGNORE_INDEX, TRAIN_SPLIT
-from mlm_ddp.report import read_runs, summary_text
+from mlm_ddp.run.report import read_runs, summary_text
 from mlm_ddp.train import TrainResult, summary_line, train
 from tests.conftest import read_metrics, recorded_batches, tiny_args, train_losses
 

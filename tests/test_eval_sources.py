@@ -14,11 +14,11 @@ import pytest
 import yaml
 
 from mlm_ddp import prepare as prep
-from mlm_ddp import run_folder
 from mlm_ddp.config import Config, parse_args
 from mlm_ddp.data.text import source_names
 from mlm_ddp.errors import BadInput
-from mlm_ddp.run_log import tracked, tracker_config
+from mlm_ddp.run import run_folder
+from mlm_ddp.run.run_log import tracked, tracker_config
 from mlm_ddp.train import main
 from tests.conftest import NO_DROPOUT, SAME_STEPS, corpus_paragraphs, read_metrics, run_module, tiny_args, train_losses
 from tests.test_fsdp import FSDP_ENV, launch

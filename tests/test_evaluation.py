@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from mlm_ddp.evaluation import EVAL_LOOKAHEAD, lockstep
+from mlm_ddp.loop.evaluation import EVAL_LOOKAHEAD, lockstep
 from tests.conftest import SAME_STEPS, read_metrics, run_module
 from tests.test_fsdp import FSDP_ENV, launch
 

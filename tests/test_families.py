@@ -75,8 +75,8 @@ def test_a_fresh_head_trains_at_the_head_rate_in_every_family(family: str, famil
     from accelerate.state import PartialState
 
     from mlm_ddp.config import ModelConfig, from_dict
-    from mlm_ddp.model import FRESH_HEAD, HEAD_LR_FACTOR, MaskedLMLoss, load_model, load_model_config
-    from mlm_ddp.optim import build_optimizer
+    from mlm_ddp.loop.optim import build_optimizer
+    from mlm_ddp.model.loading import FRESH_HEAD, HEAD_LR_FACTOR, MaskedLMLoss, load_model, load_model_config
 
     # the family's encoder (`base_model`) saved alone with its tokenizer, like the tiny_fresh_head fixture
     headless = tmp_path / "headless"

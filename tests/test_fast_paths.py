@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mlm_ddp import fast_paths
 from mlm_ddp.config import ModelConfig
-from mlm_ddp.masking import IGNORE_INDEX
-from mlm_ddp.model import MaskedLMLoss, wrap_model
+from mlm_ddp.data.masking import IGNORE_INDEX
+from mlm_ddp.model import fast_paths
+from mlm_ddp.model.loading import MaskedLMLoss, wrap_model
 from tests.test_model import batch, tiny
 
 CPU = torch.device("cpu")

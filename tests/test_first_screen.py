@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from transformers import BertConfig, PretrainedConfig
 
-from mlm_ddp.model import checkpoint_dtype
+from mlm_ddp.model.loading import checkpoint_dtype
 from tests.conftest import REPO
 
 # the one warning the default job must show: all-MiniLM-L6-v2 comes without an MLM head (model.load_model)

@@ -17,10 +17,10 @@ import pytest
 import torch
 import yaml
 
-from mlm_ddp import checkpoint as ckpt
-from mlm_ddp import run_folder
 from mlm_ddp.config import parse_args
 from mlm_ddp.errors import EXIT_REQUEUE, BadInput
+from mlm_ddp.loop import checkpoint as ckpt
+from mlm_ddp.run import run_folder
 from mlm_ddp.train import main
 from tests.conftest import (
     CONFIGS,
@@ -377,7 +377,7 @@ def _tiny(family: str):
     ("deberta-v2", ["DebertaV2Layer"], []),
 ])
 def test_fsdp_units_come_from_the_model_and_never_split_a_tie(family: str, wrap: list, held: list) -> None:
-    from mlm_ddp.model import fsdp_wrap_classes, tied_parameters
+    from mlm_ddp.model.loading import fsdp_wrap_classes, tied_parameters
 
     model = _tiny(family)
     ties = tied_parameters(model)
@@ -393,7 +393,7 @@ def test_fsdp_units_come_from_the_model_and_never_split_a_tie(family: str, wrap:
 
 
 def test_fsdp_wrap_classes_overrides_and_names_a_class_the_model_lacks() -> None:
-    from mlm_ddp.model import fsdp_wrap_classes
+    from mlm_ddp.model.loading import fsdp_wrap_classes
 
     model = _tiny("bert")
     assert fsdp_wrap_classes(model, "BertLayer,BertEmbeddings") == (["BertLayer"], ["BertEmbeddings"])

@@ -30,9 +30,9 @@ from pathlib import Path
 import pytest
 from torch.distributed import DistNetworkError, TCPStore
 
-from mlm_ddp import heartbeat, watchdog
-from mlm_ddp.heartbeat import ALIVE_EVERY_S, Beat
-from mlm_ddp.watchdog import Watchdog
+from mlm_ddp.cluster import heartbeat, watchdog
+from mlm_ddp.cluster.heartbeat import ALIVE_EVERY_S, Beat
+from mlm_ddp.cluster.watchdog import Watchdog
 from tests.conftest import REPO, free_port, run_module, tiny_args
 
 PHASES = ["data", "forward/backward", "optimizer", "eval", "checkpoint"]
@@ -497,7 +497,7 @@ def test_each_phase_is_judged_at_the_timeout_of_the_group_it_waits_on() -> None:
 def test_the_store_work_per_rank_and_tick_is_the_same_at_8_and_64_ranks() -> None:
     """Finding 4: every waiting rank read every record each tick (N² at the store). Now each rank's
     requests per tick do not depend on the world size, and two reads of every record name a hang."""
-    from mlm_ddp.watchdog_cost import measure
+    from mlm_ddp.cluster.watchdog_cost import measure
 
     small, large = measure(8, 30.0), measure(64, 30.0)
     assert small["named"] and large["named"]

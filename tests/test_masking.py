@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
+from mlm_ddp.data.masking import IGNORE_INDEX, MaskingCollator
 from mlm_ddp.errors import BadInput
-from mlm_ddp.masking import IGNORE_INDEX, MaskingCollator
 
 MASK, PAD, CLS, SEP = 3, 0, 1, 2
 SPECIAL = [PAD, CLS, SEP, MASK]
@@ -52,7 +52,7 @@ def test_ratios_80_10_10_and_special_tokens_never_masked() -> None:
 
 
 def test_the_collator_gives_the_loss_positions_the_model_would_find_itself() -> None:
-    from mlm_ddp.positions import loss_layout
+    from mlm_ddp.model.positions import loss_layout
 
     examples = blocks(8, 64)
     examples[3]["input_ids"] = examples[3]["input_ids"][:40]  # one shorter row: the batch is padded

@@ -19,8 +19,8 @@ from datasets import Dataset
 
 from mlm_ddp import prepare as prep
 from mlm_ddp.config import parse_args
+from mlm_ddp.data.masking import EPOCH_KEY
 from mlm_ddp.data.mixture import MixedBlocks, Schedule, Source, apportion
-from mlm_ddp.masking import EPOCH_KEY
 from mlm_ddp.train import main
 from tests.conftest import NO_DROPOUT, SAME_STEPS, corpus_paragraphs, run_module, tiny_args, train_losses
 from tests.test_fsdp import FSDP_ENV, launch

@@ -18,11 +18,11 @@ from transformers import (
     RobertaForMaskedLM,
 )
 
-from mlm_ddp import fast_paths
-from mlm_ddp import model as model_module
 from mlm_ddp.config import ModelConfig
-from mlm_ddp.masking import IGNORE_INDEX
-from mlm_ddp.model import MaskedLMLoss, padding_mask_4d
+from mlm_ddp.data.masking import IGNORE_INDEX
+from mlm_ddp.model import fast_paths
+from mlm_ddp.model import loading as model_module
+from mlm_ddp.model.loading import MaskedLMLoss, padding_mask_4d
 from tests.conftest import SAME_STEPS, tiny_args, train_losses
 
 VOCAB = 500
@@ -173,7 +173,7 @@ def test_a_batch_without_masked_tokens_adds_zero_and_still_reaches_every_paramet
 
 def optimizer_after_two_steps(impl: str) -> dict[str, torch.Tensor]:
     from mlm_ddp.config import from_dict
-    from mlm_ddp.optim import build_optimizer
+    from mlm_ddp.loop.optim import build_optimizer
 
     model = MaskedLMLoss(tiny("bert").eval())
     optimizer = build_optimizer(model, from_dict({"optimizer_impl": impl, "weight_decay": 0.01}).training)
@@ -194,7 +194,7 @@ def test_every_adamw_implementation_makes_the_same_update() -> None:
 def test_torch_compile_keeps_the_loss_and_the_checkpoint_keys() -> None:
     from accelerate.state import PartialState
 
-    from mlm_ddp.model import wrap_model
+    from mlm_ddp.model.loading import wrap_model
 
     PartialState()  # the log line saying the last layer runs in full under compile needs one
     eager = MaskedLMLoss(tiny("bert").eval())
@@ -215,8 +215,8 @@ def test_a_fresh_head_trains_faster_but_never_the_tied_embeddings(kind: str, fre
     from accelerate.state import PartialState
 
     from mlm_ddp.config import from_dict
-    from mlm_ddp.model import FRESH_HEAD
-    from mlm_ddp.optim import build_optimizer, head_parameters
+    from mlm_ddp.loop.optim import build_optimizer, head_parameters
+    from mlm_ddp.model.loading import FRESH_HEAD
 
     PartialState()  # accelerate's logger, which the warning goes through, needs one
     model = MaskedLMLoss(tiny(kind))

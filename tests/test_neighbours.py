@@ -15,8 +15,8 @@ import pytest
 import torch
 from transformers import AutoModelForMaskedLM
 
-from mlm_ddp.checkpoint import SAFE_LOADING_TORCH, check_safe_loading
 from mlm_ddp.errors import EXIT_BAD_INPUT, BadInput
+from mlm_ddp.loop.checkpoint import SAFE_LOADING_TORCH, check_safe_loading
 from mlm_ddp.train import main
 from tests.conftest import (
     CONFIGS,

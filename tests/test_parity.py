@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from mlm_ddp.config import parse_args
-from mlm_ddp.masking import TRAIN_SPLIT
+from mlm_ddp.data.masking import TRAIN_SPLIT
 from mlm_ddp.train import main, train
 from tests.conftest import NO_DROPOUT, SAME_STEPS, read_metrics, recorded_batches, tiny_args, train_losses
 from tests.test_topology import launch_with, max_rel_diff
@@ -112,7 +112,7 @@ def test_a_slow_tokenizer_is_refused_only_where_whole_word_masking_needs_word_id
 
     from mlm_ddp.config import ModelConfig
     from mlm_ddp.errors import BadInput
-    from mlm_ddp.model import load_tokenizer
+    from mlm_ddp.model.loading import load_tokenizer
 
     # --use_slow_tokenizer on a BERT folder: transformers 4 loads its slow BertTokenizer, 5 has none
     # left and loads the fast one, which gives word ids
@@ -252,7 +252,7 @@ def test_gradient_checkpointing_runs_each_layer_again_in_the_backward(tiny_model
     from transformers import AutoModelForMaskedLM
 
     from mlm_ddp.config import ModelConfig
-    from mlm_ddp.model import MaskedLMLoss, with_gradient_checkpointing
+    from mlm_ddp.model.loading import MaskedLMLoss, with_gradient_checkpointing
 
     batch = {"input_ids": torch.tensor([[2, 40, 50, 60, 3]]), "attention_mask": torch.ones(1, 5, dtype=torch.long),
              "labels": torch.tensor([[-100, 40, -100, 60, -100]])}

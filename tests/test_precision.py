@@ -14,11 +14,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from mlm_ddp import distributed, precision
+from mlm_ddp.cluster import launcher as distributed
+from mlm_ddp.cluster import precision
+from mlm_ddp.cluster.precision import Hardware, choose_precision
 from mlm_ddp.errors import EXIT_NONFINITE, BadInput, NonFiniteLoss
-from mlm_ddp.precision import Hardware, choose_precision
-from mlm_ddp.spikes import LossSpikes
-from mlm_ddp.step import NONFINITE_IN_A_ROW, SkippedSteps, settle_step, train_step
+from mlm_ddp.loop.spikes import LossSpikes
+from mlm_ddp.loop.step import NONFINITE_IN_A_ROW, SkippedSteps, settle_step, train_step
 from tests.conftest import CONFIGS, LAUNCH, run_module, tiny_args
 
 CPU, CPU_BF16 = Hardware("cpu"), Hardware("cpu", cpu_bf16=True)
@@ -132,7 +133,7 @@ def test_accelerate_launch_precision_reaches_the_run_or_stops_it(tiny_model: Pat
 
 
 def test_fsdp2_policy_keeps_loss_sums_and_gradient_reductions_in_fp32() -> None:
-    from mlm_ddp.model import check_loss_sum
+    from mlm_ddp.model.loading import check_loss_sum
 
     assert precision.fsdp2_policy("no") is None
     for name, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
@@ -146,7 +147,7 @@ def test_fsdp2_policy_keeps_loss_sums_and_gradient_reductions_in_fp32() -> None:
 def test_the_mfu_peak_multiplies_operands_already_in_the_training_dtype(monkeypatch: pytest.MonkeyPatch) -> None:
     from accelerate import Accelerator
 
-    from mlm_ddp import speed
+    from mlm_ddp.loop import speed
 
     seen: list[tuple] = []
     real = torch.nn.functional.linear
@@ -183,8 +184,8 @@ def one_step(precision: str, impl: str, loss_factor: float, init_scale: float = 
     from transformers import BertConfig, BertForMaskedLM
 
     from mlm_ddp.config import TrainingConfig
-    from mlm_ddp.model import MaskedLMLoss
-    from mlm_ddp.optim import build_optimizer
+    from mlm_ddp.loop.optim import build_optimizer
+    from mlm_ddp.model.loading import MaskedLMLoss
 
     torch.manual_seed(0)
     config = BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,

@@ -26,7 +26,9 @@ import pytest
 import torch
 
 from mlm_ddp.errors import BadInput
-from mlm_ddp.probe import (
+from mlm_ddp.probe.compare import change, describe_change, weighted_scores
+from mlm_ddp.probe.features import Pooling, encode, finetune_source, load_encoder, pool
+from mlm_ddp.probe.standalone import (
     ProbeConfig,
     check_probe_data,
     load_probe_data,
@@ -36,8 +38,6 @@ from mlm_ddp.probe import (
     settings,
     subsample,
 )
-from mlm_ddp.probe_compare import change, describe_change, weighted_scores
-from mlm_ddp.probe_features import Pooling, encode, finetune_source, load_encoder, pool
 
 REPO = Path(__file__).resolve().parents[1]
 N_TEST, CHANCE_SD = 400, 0.5 / 400**0.5

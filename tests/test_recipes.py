@@ -13,7 +13,7 @@ import yaml
 from mlm_ddp.config import parse_args
 from mlm_ddp.config.tree import shipped_recipes
 from mlm_ddp.errors import BadInput
-from mlm_ddp.optim import for_this_batch
+from mlm_ddp.loop.optim import for_this_batch
 from mlm_ddp.train import train
 from tests.conftest import SAME_STEPS, TINY_PEAK_TFLOPS, read_metrics, train_losses
 
@@ -141,7 +141,7 @@ def test_the_square_root_rule_counts_tokens_and_warns_far_from_the_reference(
 @pytest.mark.parametrize(("value", "total", "steps"), [(10, 1000, 10), (0, 50, 0), (0.06, 1000, 60), (0.05, 3, 0)])
 def test_warm_up_in_steps_or_a_fraction_of_the_run(value: float, total: int, steps: int) -> None:
     from mlm_ddp.config import TrainingConfig
-    from mlm_ddp.schedule import warmup_steps
+    from mlm_ddp.loop.schedule import warmup_steps
 
     assert warmup_steps(TrainingConfig(num_warmup_steps=value), total) == steps
     with pytest.raises(BadInput, match="--num_warmup_steps"):

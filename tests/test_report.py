@@ -10,7 +10,7 @@ import pytest
 from PIL import Image
 
 from mlm_ddp.config import parse_args
-from mlm_ddp.report import FIGURES, main, write_report
+from mlm_ddp.run.report import FIGURES, main, write_report
 from mlm_ddp.train import train
 from tests.conftest import tiny_args
 
@@ -112,7 +112,7 @@ def test_never_overwrites_a_page_it_did_not_write(runs: tuple[Path, Path], tmp_p
 
 def test_tokens_per_s_counts_training_time_only(monkeypatch: pytest.MonkeyPatch) -> None:
     """Evaluation and checkpoint saves pause the clock, so the throughput curve has no dips at them."""
-    from mlm_ddp import speed
+    from mlm_ddp.loop import speed
 
     now = [100.0]
     monkeypatch.setattr(speed.time, "perf_counter", lambda: now[0])

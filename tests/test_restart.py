@@ -105,8 +105,8 @@ def test_a_node_lost_mid_run_shrinks_the_elastic_job_which_resumes_with_its_glob
 
 JOIN = """
 import os, sys
-from mlm_ddp import collectives
-from mlm_ddp.distributed import detect
+from mlm_ddp.cluster import collectives
+from mlm_ddp.cluster.launcher import detect
 topo = detect(cuda_devices=0)
 wait, scope = collectives.join_process_group(topo, collectives.Timeouts(ddp=5, save=30, rendezvous=int(sys.argv[1])))
 print("joined", topo.world_size, scope, flush=True)

@@ -70,7 +70,7 @@ def test_a_resume_in_another_precision_says_so(tiny_model: Path, corpus: dict, t
 
     from accelerate.state import AcceleratorState, GradientState
 
-    from mlm_ddp import precision
+    from mlm_ddp.cluster import precision
 
     out = tmp_path / "run"
     args = tiny_args(tiny_model, corpus, out, "--mixed_precision", "auto", "--checkpointing_steps", "1",
@@ -91,7 +91,7 @@ def test_a_checkpoint_from_before_a_new_flag_resumes() -> None:
     """A saved config.yaml without a flag added since (here: the masking split, the optimizer, the schedule's
     decay) compares as that flag's default; a value that differs from it is still a change."""
     from mlm_ddp.config import Config
-    from mlm_ddp.run_folder import config_changes
+    from mlm_ddp.run.run_folder import config_changes
 
     current = Config().to_dict()
     older = {section: dict(values) for section, values in current.items()}

@@ -23,7 +23,7 @@ from transformers import get_wsd_schedule
 
 from mlm_ddp.config import TrainingConfig, parse_args
 from mlm_ddp.errors import BadInput
-from mlm_ddp.schedule import build_scheduler, check_continuation, continue_schedule
+from mlm_ddp.loop.schedule import build_scheduler, check_continuation, continue_schedule
 from mlm_ddp.train import train
 from tests.conftest import NO_DROPOUT, SAME_STEPS, read_metrics, tiny_args, train_losses
 

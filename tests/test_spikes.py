@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from mlm_ddp import heartbeat
+from mlm_ddp.cluster import heartbeat
 from mlm_ddp.config import parse_args
 from mlm_ddp.train import Hooks, train
 from tests.conftest import read_metrics, tiny_args, train_losses

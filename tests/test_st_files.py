@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from mlm_ddp import st_files
 from mlm_ddp.config import ModelConfig, parse_args
 from mlm_ddp.errors import BadInput
+from mlm_ddp.run import st_files
 from mlm_ddp.train import train
 from tests.conftest import tiny_args
 

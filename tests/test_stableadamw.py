@@ -46,7 +46,7 @@ def test_weight_decay_is_fully_decoupled_from_the_learning_rate(peak: float, imp
     the same fraction whatever the peak and in each group (the head's own peak too); none on 1-dim tensors."""
     from optimi import StableAdamW
 
-    from mlm_ddp.optim import stable_adamw
+    from mlm_ddp.loop.optim import stable_adamw
 
     training = TrainingConfig(optimizer="stableadamw", optimizer_impl=impl, learning_rate=peak, weight_decay=1e-4,
                               adam_beta2=0.98, adam_epsilon=1e-6)

@@ -89,7 +89,7 @@ STEPS = 8
 
 def record_padded(patch: pytest.MonkeyPatch, record: Callable[[], None]) -> None:
     """`record()` at each forward of a batch with padding (the collator's `padded`), while `patch` holds."""
-    from mlm_ddp.model import MaskedLMLoss
+    from mlm_ddp.model.loading import MaskedLMLoss
 
     forward = MaskedLMLoss.forward
 

@@ -45,8 +45,8 @@ def word_groups(maskable: np.ndarray, continues: np.ndarray) -> list[list[int]]:
 def test_trained_tokenizer_loads_encodes_and_masks_whole_words(trained: tuple[Path, str], corpus: dict) -> None:
     from transformers import AutoTokenizer
 
+    from mlm_ddp.data.masking import IGNORE_INDEX, MaskingCollator
     from mlm_ddp.data.pack import tokenize_and_pack
-    from mlm_ddp.masking import IGNORE_INDEX, MaskingCollator
 
     out, stdout = trained
     assert stdout.strip().splitlines() == [

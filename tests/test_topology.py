@@ -21,7 +21,7 @@ from accelerate.utils import DistributedType
 from accelerate.utils.launch import prepare_multi_gpu_env, prepare_simple_launcher_cmd_env
 from datasets import Dataset
 
-from mlm_ddp import distributed
+from mlm_ddp.cluster import launcher as distributed
 from mlm_ddp.config import DataConfig, parse_args
 from mlm_ddp.data.epochs import EpochBatchSampler, train_loader
 from mlm_ddp.data.feed import TrainFeed

@@ -14,7 +14,7 @@ from transformers import BertConfig
 
 from mlm_ddp.config import parse_args
 from mlm_ddp.errors import BadInput
-from mlm_ddp.speed import training_flops_per_token
+from mlm_ddp.loop.speed import training_flops_per_token
 from mlm_ddp.train import main, train
 from tests.conftest import (
     NO_DROPOUT,
@@ -104,7 +104,7 @@ def test_accumulation_equals_a_bigger_batch(tiny_model: Path, corpus: dict, tmp_
 def test_streaming_whole_word_run(tiny_model: Path, corpus: dict, tmp_path: Path) -> None:
     from transformers import AutoTokenizer
 
-    from mlm_ddp.masking import TRAIN_SPLIT, MaskingCollator
+    from mlm_ddp.data.masking import TRAIN_SPLIT, MaskingCollator
     from tests.conftest import recorded_batches, words_masked
 
     out = tmp_path / "stream"
@@ -250,9 +250,9 @@ def test_fsdp_eval_padding_adds_nothing_to_the_sums(tiny_model: Path) -> None:
     import torch
     from transformers import AutoModelForMaskedLM
 
-    from mlm_ddp.evaluation import idle_batch
-    from mlm_ddp.model import MaskedLMLoss
-    from mlm_ddp.positions import KEYS, loss_layout
+    from mlm_ddp.loop.evaluation import idle_batch
+    from mlm_ddp.model.loading import MaskedLMLoss
+    from mlm_ddp.model.positions import KEYS, loss_layout
 
     model = MaskedLMLoss(AutoModelForMaskedLM.from_pretrained(tiny_model)).eval()
     real = {"input_ids": torch.tensor([[2, 40, 50, 3]]), "attention_mask": torch.ones(1, 4, dtype=torch.long),

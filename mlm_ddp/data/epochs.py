@@ -19,10 +19,10 @@ import torch
 from datasets import Dataset, IterableDataset
 from torch.utils.data import DataLoader, Sampler
 
+from mlm_ddp.data.masking import EPOCH_KEY
 from mlm_ddp.data.stream import is_stream
 from mlm_ddp.data.text import AnyDataset
 from mlm_ddp.errors import BadInput
-from mlm_ddp.masking import EPOCH_KEY
 
 
 class EpochBatchSampler(Sampler[list[int]]):

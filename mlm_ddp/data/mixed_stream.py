@@ -20,10 +20,10 @@ from typing import Any
 
 import torch
 
+from mlm_ddp.data.masking import EPOCH_KEY
 from mlm_ddp.data.mixture import Schedule, apportion
 from mlm_ddp.data.stream import PackedStream
 from mlm_ddp.errors import BadInput
-from mlm_ddp.masking import EPOCH_KEY
 
 
 class MixedStream(torch.utils.data.IterableDataset):

@@ -38,10 +38,10 @@ from torch.utils.data import DataLoader
 from mlm_ddp.config import DataConfig
 from mlm_ddp.config.mixture import is_mixture, source_names
 from mlm_ddp.data.epochs import EpochBatchSampler, own_generator
+from mlm_ddp.data.masking import EPOCH_KEY
 from mlm_ddp.data.prepared import MANIFEST, load_prepared
 from mlm_ddp.data.text import AnyDataset, load_held_out, load_text
 from mlm_ddp.errors import BadInput
-from mlm_ddp.masking import EPOCH_KEY
 
 DENOMINATOR = 10_000  # slot shares are whole numbers of slots per 10,000: each within 1e-4 of its target
 SOURCE_CHANGES = frozenset({"data.train_file", "data.train_weights", "data.train_names"})

@@ -13,16 +13,16 @@ import torch
 from datasets import Dataset, IterableDataset
 from torch.utils.data import DataLoader
 
-from mlm_ddp.collectives import any_rank, gather_rows, patient_main_process_first
+from mlm_ddp.cluster.collectives import any_rank, gather_rows, patient_main_process_first
 from mlm_ddp.config import DataConfig, TrainingConfig
 from mlm_ddp.data.epochs import eval_loader, train_loader
 from mlm_ddp.data.feed import TrainFeed, epoch_steps
+from mlm_ddp.data.masking import EVAL_SPLIT, TRAIN_SPLIT, MaskingCollator
 from mlm_ddp.data.mixed_stream import MixedStream
 from mlm_ddp.data.mixture import MixedBlocks, Mixture, mixture_loader
 from mlm_ddp.data.pack import describe_sequences, pack_stats, tokenize_dataset
 from mlm_ddp.data.stream import PackedStream, is_stream, plan_stream_split, shard_stream, stream_sharding
 from mlm_ddp.data.text import AnyDataset
-from mlm_ddp.masking import EVAL_SPLIT, TRAIN_SPLIT, MaskingCollator
 
 
 def _first_sequences(ds: Dataset, limit: int | None) -> Dataset:

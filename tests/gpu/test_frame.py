@@ -37,7 +37,8 @@ def test_the_frame_kills_a_launch_and_its_workers_at_the_timeout(tmp_path: Path)
 
 
 def test_auto_picks_what_this_device_computes_natively(request: pytest.FixtureRequest) -> None:
-    from mlm_ddp import distributed, precision
+    from mlm_ddp.cluster import launcher as distributed
+    from mlm_ddp.cluster import precision
 
     hw = precision.hardware(distributed.detect({})) if ON_GPU else precision.Hardware(
         "cpu", cpu_bf16=precision.cpu_computes_bf16())

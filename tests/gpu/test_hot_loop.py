@@ -116,7 +116,7 @@ def test_a_padded_batch_gets_the_2d_masks_loss(request: pytest.FixtureRequest) -
 def test_the_last_layer_subset_gives_the_full_loss_and_gradients(request: pytest.FixtureRequest) -> None:
     """fp32 with TF32 off: the same sums as the full layer in another order (cuBLAS picks kernels by
     shape), so 1e-5 as on the CPU."""
-    from mlm_ddp.model import MaskedLMLoss
+    from mlm_ddp.model.loading import MaskedLMLoss
     from tests.test_fast_paths import loss_and_grads
     from tests.test_model import batch, tiny
 

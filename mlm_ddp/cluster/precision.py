@@ -10,7 +10,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from mlm_ddp.distributed import Topology
+from mlm_ddp.cluster.launcher import Topology
 
 
 def agree_precision(mine: tuple[str, str], rank: int, gather: Callable[[Any], list[Any]]) -> tuple[str, str]:

@@ -18,11 +18,11 @@ from accelerate.logging import get_logger
 from torch.utils.data import DataLoader
 
 from mlm_ddp import data as mdata
-from mlm_ddp.collectives import sharded
-from mlm_ddp.heartbeat import PhaseReport, unreported
-from mlm_ddp.masking import IGNORE_INDEX, percent
-from mlm_ddp.model import check_loss_sum
-from mlm_ddp.speed import TrainingClock
+from mlm_ddp.cluster.collectives import sharded
+from mlm_ddp.cluster.heartbeat import PhaseReport, unreported
+from mlm_ddp.data.masking import IGNORE_INDEX, percent
+from mlm_ddp.loop.speed import TrainingClock
+from mlm_ddp.model.loading import check_loss_sum
 
 logger = get_logger(__name__)
 Batch = dict[str, torch.Tensor]

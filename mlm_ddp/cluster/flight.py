@@ -17,7 +17,7 @@ import pickle
 from collections.abc import MutableMapping
 from pathlib import Path
 
-from mlm_ddp.durable import write_atomic
+from mlm_ddp.cluster.durable import write_atomic
 
 FOLDER = "flight_recorder"
 PREFIX = "rank_"

@@ -13,9 +13,10 @@ import torch
 from accelerate.logging import get_logger
 from transformers import PreTrainedModel
 
-from mlm_ddp.collectives import sharded
+from mlm_ddp.cluster.collectives import sharded
 from mlm_ddp.config import Config, TrainingConfig
-from mlm_ddp.model import (
+from mlm_ddp.loop.schedule import build_scheduler
+from mlm_ddp.model.loading import (
     FRESH_HEAD,
     HEAD_LR_FACTOR,
     MaskedLMLoss,
@@ -24,7 +25,6 @@ from mlm_ddp.model import (
     tied_parameters,
     wrap_model,
 )
-from mlm_ddp.schedule import build_scheduler
 
 logger = get_logger(__name__)
 

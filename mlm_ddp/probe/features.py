@@ -27,9 +27,9 @@ from transformers import (
     get_linear_schedule_with_warmup,
 )
 
-from mlm_ddp import checkpoint as ckpt
 from mlm_ddp.errors import BadInput, say
-from mlm_ddp.model import _quiet_transformers, load_kwargs, max_positions
+from mlm_ddp.loop import checkpoint as ckpt
+from mlm_ddp.model.loading import _quiet_transformers, load_kwargs, max_positions
 
 POOLING_MODES = ("cls", "max", "mean", "mean_sqrt_len_tokens")  # the ones done here, in sentence-transformers' order
 # sentence-transformers' older Pooling config: one boolean per mode (what all-MiniLM-L6-v2 ships)
@@ -120,7 +120,7 @@ def sequence_length(requested: int | None, pooling: Pooling, model_config: Any, 
 def load_encoder(name: str) -> tuple[PreTrainedModel, Any]:
     """(encoder, tokenizer) of a model folder, a Hub name, a run's final/ or one of its checkpoints/step-N."""
     if is_checkpoint(name):
-        from mlm_ddp.trained import load_for_prediction  # the checkpoint protocol: its config.yaml, its weights
+        from mlm_ddp.loop.trained import load_for_prediction  # the checkpoint protocol: its config.yaml, its weights
 
         model, tokenizer = load_for_prediction(name)
         return model.base_model, tokenizer

@@ -13,10 +13,10 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from mlm_ddp import flight
-from mlm_ddp.distributed import Topology, check_accelerator, cpu_threads_per_process, detect, export_for_accelerate
-from mlm_ddp.heartbeat import diagnose
-from mlm_ddp.precision import agree_precision, fsdp2_policy
+from mlm_ddp.cluster import flight
+from mlm_ddp.cluster.heartbeat import diagnose
+from mlm_ddp.cluster.launcher import Topology, check_accelerator, cpu_threads_per_process, detect, export_for_accelerate
+from mlm_ddp.cluster.precision import agree_precision, fsdp2_policy
 
 
 def keep_fsdp_on_cpu(accelerator: Any, plugin: Any) -> bool:

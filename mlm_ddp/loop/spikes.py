@@ -16,7 +16,7 @@ from typing import Any
 
 from accelerate.logging import get_logger
 
-from mlm_ddp import checkpoint as ckpt
+from mlm_ddp.loop import checkpoint as ckpt
 
 logger = get_logger(__name__)
 

@@ -247,7 +247,7 @@ def diagnose(output_dir: str | Path) -> str | None:
     """One line naming the rank that stopped advancing first, its host and where it was; None when the
     folder holds no heartbeat. From the beats' counts alone: the files' times come from several hosts'
     clocks, which are never compared. torch's Flight Recorder's account follows, where it dumped."""
-    from mlm_ddp.flight import summary
+    from mlm_ddp.cluster.flight import summary
 
     recorded = summary(output_dir)
     named = hang_records(output_dir)

@@ -28,12 +28,12 @@ from typing import Any
 import yaml
 from accelerate.logging import get_logger
 
-from mlm_ddp.collectives import patient_collectives
+from mlm_ddp.cluster.collectives import patient_collectives
+from mlm_ddp.cluster.durable import fsync_dir, fsync_tree
+from mlm_ddp.cluster.heartbeat import PhaseReport, unreported
 from mlm_ddp.config import RunConfig
-from mlm_ddp.durable import fsync_dir, fsync_tree
 from mlm_ddp.errors import BadInput, CheckpointWriteError
-from mlm_ddp.heartbeat import PhaseReport, unreported
-from mlm_ddp.schedule import check_continuation, continue_schedule
+from mlm_ddp.loop.schedule import check_continuation, continue_schedule
 
 logger = get_logger(__name__)
 MARKER = "COMPLETE"
@@ -417,7 +417,7 @@ class Checkpointer:
         holds anything else is refused, never executed."""
         import torch
 
-        from mlm_ddp.optim import implementation, restore_implementation
+        from mlm_ddp.loop.optim import implementation, restore_implementation
 
         for key, (old, new) in accepted_changes.items():
             logger.info("resuming with a changed setting: %s %r -> %r", key, old, new)

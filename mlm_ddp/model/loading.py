@@ -15,11 +15,11 @@ import transformers
 from accelerate.logging import get_logger
 from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForMaskedLM, AutoTokenizer, PreTrainedModel
 
-from mlm_ddp import fast_paths
 from mlm_ddp.config import ModelConfig
 from mlm_ddp.errors import BadInput
-from mlm_ddp.positions import KEYS as POSITION_KEYS
-from mlm_ddp.positions import loss_layout
+from mlm_ddp.model import fast_paths
+from mlm_ddp.model.positions import KEYS as POSITION_KEYS
+from mlm_ddp.model.positions import loss_layout
 
 logger = get_logger(__name__)
 # a pretrained encoder whose checkpoint has no MLM head: the head starts from noise (load_model marks it)

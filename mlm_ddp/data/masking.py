@@ -20,7 +20,7 @@ import torch
 
 from mlm_ddp.config.sections import check_masking
 from mlm_ddp.errors import BadInput
-from mlm_ddp.positions import loss_layout
+from mlm_ddp.model.positions import loss_layout
 
 IGNORE_INDEX = -100  # label of positions that carry no loss (torch cross_entropy's ignore_index)
 TRAIN_SPLIT, EVAL_SPLIT = 0, 1

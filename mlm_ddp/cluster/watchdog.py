@@ -34,9 +34,9 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, NoReturn, Protocol
 
-from mlm_ddp.durable import write_atomic
+from mlm_ddp.cluster.durable import write_atomic
+from mlm_ddp.cluster.heartbeat import ALIVE_EVERY_S, FOLDER, Beat
 from mlm_ddp.errors import say
-from mlm_ddp.heartbeat import ALIVE_EVERY_S, FOLDER, Beat
 
 # a live peer publishes every ALIVE_EVERY_S from a thread that touches no file: ten missed ticks are a
 # stopped process, not a slow write on a network filesystem or a call that holds the GIL for seconds
@@ -407,7 +407,7 @@ def for_run(run: Any, topo: Any, output_dir: Path, world: int, scope: str, lost_
     """The watchdog of a training run (`run`: its RunConfig's timeouts), on its own connection to the process
     group's store (scoped to this attempt by `collectives.join_process_group`), its keys under `scope` (this
     run's); None alone. A hang it names ends the process with `exit_code`, after the Flight Recorder's dump."""
-    from mlm_ddp import flight
+    from mlm_ddp.cluster import flight
 
     found = store_of_process_group() if world > 1 else None
     if found is None:

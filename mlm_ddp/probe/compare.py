@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 if TYPE_CHECKING:
-    from mlm_ddp.probe import ProbeConfig
+    from mlm_ddp.probe.standalone import ProbeConfig
 
 RESAMPLES = 1000  # bootstrap draws of the change's interval
 BOOTSTRAP_SEED = 0  # the draws are seeded: the same figures give the same interval

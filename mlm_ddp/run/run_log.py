@@ -19,13 +19,13 @@ from accelerate import Accelerator
 from accelerate.logging import get_logger
 from tqdm.auto import tqdm
 
-from mlm_ddp import branch, speed
+from mlm_ddp.cluster.durable import write_atomic
+from mlm_ddp.cluster.heartbeat import PhaseReport, unreported
 from mlm_ddp.config import Config, RunConfig
-from mlm_ddp.durable import write_atomic
 from mlm_ddp.errors import BadInput
-from mlm_ddp.heartbeat import PhaseReport, unreported
-from mlm_ddp.speed import TrainingClock
-from mlm_ddp.step import StepResult
+from mlm_ddp.loop import branch, speed
+from mlm_ddp.loop.speed import TrainingClock
+from mlm_ddp.loop.step import StepResult
 
 logger = get_logger(__name__)
 KNOWN_TRACKERS = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}  # name -> module

@@ -23,11 +23,11 @@ import torch
 from accelerate import Accelerator
 from accelerate.logging import get_logger
 
-from mlm_ddp.checkpoint import StopSignals
+from mlm_ddp.data.masking import IGNORE_INDEX
 from mlm_ddp.errors import NonFiniteLoss
-from mlm_ddp.masking import IGNORE_INDEX
-from mlm_ddp.model import check_loss_sum
-from mlm_ddp.spikes import LossSpikeGuard, LossSpikes, Spike
+from mlm_ddp.loop.checkpoint import StopSignals
+from mlm_ddp.loop.spikes import LossSpikeGuard, LossSpikes, Spike
+from mlm_ddp.model.loading import check_loss_sum
 
 logger = get_logger(__name__)
 
@@ -87,7 +87,7 @@ def forward_backward(accelerator: Accelerator, model: torch.nn.Module, window: l
 def skips_on_device(accelerator: Accelerator, optimizer: torch.optim.Optimizer) -> bool:
     """Whether a non-finite update can be skipped without reading the norm back: a fused AdamW (it takes
     `found_inf`), no gradient scaler (which sets its own), parameters not sharded (FSDP's are DTensors)."""
-    from mlm_ddp.collectives import sharded
+    from mlm_ddp.cluster.collectives import sharded
 
     inner = getattr(optimizer, "optimizer", optimizer)
     # recent torch makes AdamW an Adam, older releases a class of its own: both read found_inf when fused

@@ -8,8 +8,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from mlm_ddp.heartbeat import ALIVE_EVERY_S, Beat
-from mlm_ddp.watchdog import Store, Watchdog
+from mlm_ddp.cluster.heartbeat import ALIVE_EVERY_S, Beat
+from mlm_ddp.cluster.watchdog import Store, Watchdog
 
 
 class CountingStore:

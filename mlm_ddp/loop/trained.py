@@ -13,10 +13,10 @@ import torch
 import yaml
 from accelerate import PartialState
 
-from mlm_ddp import checkpoint as ckpt
 from mlm_ddp.config import ModelConfig, from_dict
 from mlm_ddp.errors import BadInput
-from mlm_ddp.model import inner_state_dict, load_model, load_model_config, load_tokenizer
+from mlm_ddp.loop import checkpoint as ckpt
+from mlm_ddp.model.loading import inner_state_dict, load_model, load_model_config, load_tokenizer
 
 WEIGHTS_FILE = "model.safetensors"  # what accelerate's save_state writes for an unsharded model
 

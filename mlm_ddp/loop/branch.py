@@ -15,10 +15,10 @@ import os
 import re
 from pathlib import Path
 
-from mlm_ddp import checkpoint as ckpt
 from mlm_ddp.config import Config
 from mlm_ddp.errors import BadInput
-from mlm_ddp.schedule import WSD, at_peak, warmup_steps
+from mlm_ddp.loop import checkpoint as ckpt
+from mlm_ddp.loop.schedule import WSD, at_peak, warmup_steps
 
 # what a branch may set otherwise than its source: the decay, and the flag itself
 BRANCH_CHANGES = frozenset({"run.decay_from", "training.num_decay_steps", "training.decay_type",

@@ -33,13 +33,13 @@ import numpy as np
 from accelerate import Accelerator
 from accelerate.logging import get_logger
 
-from mlm_ddp.collectives import MainProcessWait
+from mlm_ddp.cluster.collectives import MainProcessWait
+from mlm_ddp.cluster.durable import write_atomic
 from mlm_ddp.config import Config, RunConfig
-from mlm_ddp.durable import write_atomic
 from mlm_ddp.errors import BadInput
-from mlm_ddp.probe import ProbeConfig, ProbeData, check_probe_data, load_probe_data, probe
-from mlm_ddp.probe_compare import change, describe_change, differences, settings
-from mlm_ddp.run_folder import BEST_PROBE, RunFolder, replace_folder
+from mlm_ddp.probe.compare import change, describe_change, differences, settings
+from mlm_ddp.probe.standalone import ProbeConfig, ProbeData, check_probe_data, load_probe_data, probe
+from mlm_ddp.run.run_folder import BEST_PROBE, RunFolder, replace_folder
 
 logger = get_logger(__name__)
 FIGURES = ("accuracy", "macro_f1")  # what summary.json, metrics.jsonl and the card carry of each result
@@ -58,7 +58,7 @@ def probe_config(run: RunConfig) -> ProbeConfig:
 def check(cfg: Config) -> None:
     """Preflight: the probe's files hold a task it can score, and 'before' can be the model training starts from
     (BadInput otherwise)."""
-    from mlm_ddp.model import from_scratch
+    from mlm_ddp.model.loading import from_scratch
 
     if not cfg.run.probing():
         return
@@ -76,7 +76,7 @@ def check(cfg: Config) -> None:
 
 def source_folder(cfg: Config) -> str | None:
     """The starting model's folder (None: a model trained from scratch has no starting features)."""
-    from mlm_ddp.model import from_scratch, resolve_model_path
+    from mlm_ddp.model.loading import from_scratch, resolve_model_path
 
     return None if from_scratch(cfg.model) else str(resolve_model_path(cfg.model))
 

@@ -33,8 +33,8 @@ from transformers import HfArgumentParser, PreTrainedModel
 from mlm_ddp.config import _doc
 from mlm_ddp.data.text import _builder_for, _load, check_columns
 from mlm_ddp.errors import BadInput, say
-from mlm_ddp.probe_compare import change, describe_change, settings
-from mlm_ddp.probe_features import (
+from mlm_ddp.probe.compare import change, describe_change, settings
+from mlm_ddp.probe.features import (
     FinetuneRecipe,
     Pooling,
     encode,

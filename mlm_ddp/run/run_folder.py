@@ -23,18 +23,20 @@ import yaml
 from accelerate import Accelerator
 from accelerate.logging import get_logger
 
-from mlm_ddp import branch, flight, st_files
-from mlm_ddp import checkpoint as ckpt
 from mlm_ddp import data as mdata
-from mlm_ddp.collectives import MainProcessWait, patient_collectives
+from mlm_ddp.cluster import flight
+from mlm_ddp.cluster.collectives import MainProcessWait, patient_collectives
+from mlm_ddp.cluster.durable import write_atomic
 from mlm_ddp.config import Config
-from mlm_ddp.durable import write_atomic
+from mlm_ddp.data.masking import describe_masking
 from mlm_ddp.errors import EXIT_REQUEUE, AlreadyFinished, BadInput
-from mlm_ddp.evaluation import HELD_OUT, masked_note, source_rows
-from mlm_ddp.masking import describe_masking
-from mlm_ddp.model import checkpoint_dtype, from_scratch, inner_state_dict
-from mlm_ddp.report import write_report
-from mlm_ddp.run_log import read_metrics_lines
+from mlm_ddp.loop import branch
+from mlm_ddp.loop import checkpoint as ckpt
+from mlm_ddp.loop.evaluation import HELD_OUT, masked_note, source_rows
+from mlm_ddp.model.loading import checkpoint_dtype, from_scratch, inner_state_dict
+from mlm_ddp.run import st_files
+from mlm_ddp.run.report import write_report
+from mlm_ddp.run.run_log import read_metrics_lines
 
 logger = get_logger(__name__)
 STOPPED_FILE = "stopped.json"  # why a run stopped early; torchrun turns every worker exit code into 1

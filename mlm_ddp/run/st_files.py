@@ -23,7 +23,7 @@ from accelerate.logging import get_logger
 
 from mlm_ddp.config import ModelConfig
 from mlm_ddp.errors import BadInput
-from mlm_ddp.model import from_scratch, resolve_model_path
+from mlm_ddp.model.loading import from_scratch, resolve_model_path
 
 logger = get_logger(__name__)
 MODULES = "modules.json"  # sentence-transformers treats a folder as its own model when this file exists
