@@ -8,6 +8,8 @@ which is itself a valid recipe. Flag names and meanings follow transformers'
 
 This is its public surface: the sections (`sections.py`: model and data; `training.py`; `run.py`),
 the tree and how flags and recipes fill it (`tree.py`).
+
+May import: `mlm_ddp.errors` and itself; every other folder reads the config, so it reads none of them.
 """
 
 from mlm_ddp.config.run import RunConfig

@@ -12,7 +12,12 @@ One module per step of the pipeline:
 
 Sharding, one way per kind of data, never twice (the loaders are not passed through
 `accelerator.prepare`, so Accelerate does not split them again; accelerate #3547): map-style data
-by `epochs`' sampler, streams by `stream`'s split of the raw texts.
+by `epochs`' sampler, streams by `stream`'s split of the raw texts. `masking` is the collators' BERT
+masking, seeded per block.
+
+May import: `config`, `errors`, cluster/'s collectives (the patient waits of preprocessing), model/'s
+`positions` (the layout of masked positions the collator hands the model). Never loop/, run/, probe/,
+nor cluster/'s heartbeat or watchdog: a feed's collectives are named through the callable it is given.
 """
 
 # in pipeline order: load, pack, shard, feed, one rank's assembly

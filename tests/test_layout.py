@@ -1,0 +1,223 @@
+"""The package's layout (issue 48): every import of mlm_ddp read from the source (lazy ones inside
+functions too), and the arrows between its folders run one way.
+
+Floors, lowest first: `errors` < cluster/ < config/ < model/ < data/ < loop/ < probe/ < run/ < the entry
+points (the top-level modules users run, `train.py` the one that wires a run). A module may import its
+own folder, a lower floor, and `errors`; never a higher floor, never an entry point (only entry points
+may import those). Imports under `if TYPE_CHECKING:` never run, so they cannot close an import-time
+cycle; they still keep the floors.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from collections.abc import Iterable
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO
+
+PKG = REPO / "mlm_ddp"
+FLOORS = ["errors", "cluster", "config", "model", "data", "loop", "probe", "run"]  # lowest first
+ENTRY_POINTS = ["train", "submit", "prepare", "probe", "predict", "report", "bench", "tokenizer", "distributed"]
+NOT_ENTRIES = {"__init__", "errors"}  # top-level modules that are neither an entry point nor a floor of their own
+# named rules, beside the floors, as the issue states them: (from a folder, to a module or folder under mlm_ddp)
+FORBIDDEN = [
+    ("data", "run", "data/ knows nothing of a run's outputs"),
+    ("model", "run", "model/ knows nothing of a run's outputs"),
+    ("data", "cluster.watchdog", "data/ knows nothing of the hang watchdog"),
+    ("data", "cluster.heartbeat", "data/ is handed the heartbeat's collective, never imports it"),
+    ("model", "cluster.watchdog", "model/ knows nothing of the hang watchdog"),
+    ("model", "cluster.heartbeat", "model/ knows nothing of heartbeats"),
+    ("model", "data", "the model knows no data (DESIGN.md, section 2)"),
+    ("loop", "run", "the loop sits below the run's outputs: report, log, folder"),
+]
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(REPO).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def modules() -> dict[str, Path]:
+    return {module_name(p): p for p in sorted(PKG.rglob("*.py")) if "__pycache__" not in p.parts}
+
+
+def type_checking_nodes(tree: ast.AST) -> set[int]:
+    """ids of the import nodes under `if TYPE_CHECKING:`."""
+    inside: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            inside |= {id(n) for child in node.body for n in ast.walk(child)}
+    return inside
+
+
+def imports_of(name: str, path: Path, known: Iterable[str]) -> dict[str, bool]:
+    """The mlm_ddp modules `name` imports anywhere in its source -> whether it runs (not TYPE_CHECKING).
+    `from mlm_ddp.x import y` counts as mlm_ddp.x.y when that is a module, else as mlm_ddp.x."""
+    known = set(known)
+    tree = ast.parse(path.read_text())
+    typing_only = type_checking_nodes(tree)
+    found: dict[str, bool] = {}
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    for node in ast.walk(tree):
+        targets: list[str] = []
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # from . import x / from .y import x
+                parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(parts + ([base] if base else []))
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names]
+        for target in targets:
+            while target and target not in known:  # mlm_ddp.x.attr -> mlm_ddp.x
+                target = target.rpartition(".")[0]
+            if target and target != name and target != "mlm_ddp":
+                found[target] = found.get(target, False) or id(node) not in typing_only
+    return found
+
+
+def import_graph() -> dict[str, dict[str, bool]]:
+    mods = modules()
+    return {name: imports_of(name, path, mods) for name, path in mods.items()}
+
+
+def floor(module: str) -> str:
+    """A module's floor: its folder under mlm_ddp, `errors`, or "entry" for a top-level entry module."""
+    parts = module.split(".")
+    if len(parts) == 1:
+        return "package"
+    if len(parts) == 2 and parts[1] != "errors" and parts[1] not in FLOORS:
+        return "entry"
+    return parts[1]
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every strongly connected set of more than one node (Tarjan), each sorted; a cycle lies within one."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in sorted(graph.get(node, ())):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            group = []
+            while True:
+                top = stack.pop()
+                on_stack.discard(top)
+                group.append(top)
+                if top == node:
+                    break
+            if len(group) > 1:
+                found.append(sorted(group))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def violations(graph: dict[str, dict[str, bool]]) -> list[str]:
+    """What the layout refuses, one line each: module cycles (imports that run), folder cycles, arrows
+    down-to-up between floors, the named rules, a package module importing an entry point."""
+    out = [f"module cycle: {' <-> '.join(group)}"
+           for group in cycles({m: {t for t, runs in ts.items() if runs} for m, ts in graph.items()})]
+    folders: dict[str, set[str]] = {}
+    for module, targets in graph.items():
+        for target in targets:
+            a, b = floor(module), floor(target)
+            if a != b:
+                folders.setdefault(a, set()).add(b)
+            if b == "entry" and a != "entry":
+                out.append(f"{module} imports the entry point {target}: move what it needs below the entry points")
+            if a in FLOORS and b in FLOORS and FLOORS.index(b) > FLOORS.index(a):
+                out.append(f"{module} ({a}/) imports {target} ({b}/), a higher floor")
+            inside = target.partition(".")[2] + "."  # cluster.watchdog. for mlm_ddp.cluster.watchdog
+            for source, forbidden, why in FORBIDDEN:
+                if a == source and inside.startswith(forbidden + "."):
+                    out.append(f"{module} imports {target}: {why}")
+    out += [f"folder cycle: {' <-> '.join(group)}" for group in cycles(folders)]
+    return out
+
+
+def test_the_arrows_run_one_way() -> None:
+    graph = import_graph()
+    assert len(graph) > 40 and "mlm_ddp.cluster.launcher" in graph  # the walk found the package
+    assert violations(graph) == []
+
+
+def test_the_check_fails_on_a_bad_import() -> None:
+    """The check can fail: a synthetic graph with each kind of bad arrow names each one."""
+    graph = import_graph()
+    bad = {m: dict(t) for m, t in graph.items()}
+    bad["mlm_ddp.data.pack"]["mlm_ddp.run.report"] = True  # data/ up to run/
+    bad["mlm_ddp.model.loading"]["mlm_ddp.cluster.watchdog"] = True  # model/ to the watchdog
+    bad["mlm_ddp.loop.evaluation"]["mlm_ddp.run.run_log"] = True  # the loop up to the run log (it once did)
+    bad["mlm_ddp.probe.features"]["mlm_ddp.predict"] = True  # a package module to an entry point (it once did)
+    bad["mlm_ddp.cluster.durable"]["mlm_ddp.cluster.watchdog"] = True  # watchdog -> durable already: a cycle
+    found = "\n".join(violations(bad))
+    for expected in ["mlm_ddp.data.pack (data/) imports mlm_ddp.run.report (run/), a higher floor",
+                     "mlm_ddp.model.loading imports mlm_ddp.cluster.watchdog: model/ knows nothing of the hang",
+                     "mlm_ddp.loop.evaluation imports mlm_ddp.run.run_log: the loop sits below",
+                     "mlm_ddp.probe.features imports the entry point mlm_ddp.predict",
+                     "module cycle: ", "mlm_ddp.cluster.durable <-> ", "folder cycle: "]:
+        assert expected in found, (expected, found)
+    # a type-only import closes no import-time cycle, but still keeps the floors
+    typing_only = {m: dict(t) for m, t in graph.items()}
+    typing_only["mlm_ddp.cluster.durable"]["mlm_ddp.cluster.watchdog"] = False
+    assert violations(typing_only) == []
+    typing_only["mlm_ddp.cluster.durable"]["mlm_ddp.run.hub"] = False
+    assert violations(typing_only)
+
+
+def test_lazy_and_relative_imports_are_read(tmp_path: Path) -> None:
+    """An import inside a function counts as one at the top."""
+    source = tmp_path / "mod.py"
+    source.write_text("def f():\n    from mlm_ddp.run import report\n    import mlm_ddp.loop.step\n")
+    found = imports_of("mlm_ddp.data.x", source, modules())
+    assert found == {"mlm_ddp.run.report": True, "mlm_ddp.loop.step": True}
+
+
+def test_the_top_of_the_package_is_short() -> None:
+    """At most 10 entries at the top of mlm_ddp/ besides the entry points; every folder says what it owns
+    and may import."""
+    top = sorted(p.stem for p in PKG.iterdir() if p.name != "__pycache__" and (p.suffix == ".py" or p.is_dir()))
+    others = [name for name in top if name not in ENTRY_POINTS and name != "bench_prepare"]
+    assert len(others) <= 10, others
+    for folder in FLOORS[1:]:
+        doc = ast.get_docstring(ast.parse((PKG / folder / "__init__.py").read_text())) or ""
+        assert "import" in doc, f"mlm_ddp/{folder}/__init__.py does not say what it may import"
+
+
+def test_train_stays_one_screen_of_wiring() -> None:
+    """train.py <= 450 lines, its longest function <= 40; no module over 500 lines."""
+    source = (PKG / "train.py").read_text()
+    assert len(source.splitlines()) <= 450
+    functions = [n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)]
+    longest = max(functions, key=lambda n: n.end_lineno - n.lineno)
+    assert longest.end_lineno - longest.lineno + 1 <= 40, longest.name
+    long_modules = {name: n for name, path in modules().items() if (n := len(path.read_text().splitlines())) > 500}
+    assert long_modules == {}
+
+
+@pytest.mark.parametrize("entry", ENTRY_POINTS)
+def test_every_entry_point_answers_help(entry: str) -> None:
+    """`python -m mlm_ddp.X --help` where users type it, whatever folder its body moved to."""
+    proc = subprocess.run([sys.executable, "-m", f"mlm_ddp.{entry}", "--help"], capture_output=True, text=True,
+                          timeout=300, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "usage" in proc.stdout.lower(), proc.stdout[:500]
