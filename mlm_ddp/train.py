@@ -360,8 +360,7 @@ def finish(run: Training, steps: int, started: float, probed_before: dict | None
                       run.checked.model_config)
     run.heartbeat.beat(steps, "final save")
     final = folder.save_final(accelerator, run.wait, run.model, run.checked.tokenizer, card)
-    probed = probing.after_training(run.cfg, accelerator, run.wait, log, run.heartbeat.beat, steps, final,
-                                    probed_before, run.every)
+    probed = run.every.after_training(log, steps, final, probed_before)
     tokens_per_s = (tokens_seen - run.start.tokens_seen) / max(log.clock.training_s, 1e-9)
     result = TrainResult(
         steps=steps, tokens_seen=tokens_seen, wall_time_s=time.perf_counter() - started, tokens_per_s=tokens_per_s,
@@ -390,8 +389,7 @@ def train(cfg: Config, hooks: Hooks | None = None) -> TrainResult:
         on_exit.push(functools.partial(collectives.tear_down_after, RunEnded, run.accelerator, run.wait))
         on_exit.callback(run.log.close)  # however the run ends, so that an error message starts a line of its own
         on_exit.callback(run.heartbeat.stop)  # an error leaves the last beat where it happened
-        probed_before = probing.before_training(cfg, run.accelerator, run.wait, run.log, run.heartbeat.beat,
-                                                run.start.step, run.checked.start.resume_from is not None)
+        probed_before = run.every.before_training(run.log, run.start.step, run.checked.start.resume_from is not None)
         steps = fit(run, stop)
         return finish(run, steps, started, probed_before)
 

@@ -275,7 +275,9 @@ def after_training(cfg: Config, accelerator: Accelerator, wait: MainProcessWait,
 
 
 class EveryEval:
-    """--probe_every_eval: `at_eval(step)` after each evaluation, on every rank. The model is written into
+    """The probe inside this run, made once with the run's config (train.py passes it none later): the
+    figures `before_training` and `after_training`, and --probe_every_eval: `at_eval(step)` after each
+    evaluation, on every rank. The model is written into
     `.tmp-best_probe/` (every rank: FSDP gathers the shards), the main process probes that folder, and
     keeps it as best_probe/ (with probe.json) when its held-out accuracy beats every earlier evaluation's; a tie
     keeps the earlier. A resumed run starts from the best its folder holds, where it was chosen with today's
@@ -293,6 +295,12 @@ class EveryEval:
                            "from here choose anew", BEST_PROBE)
             self.best = None
         self.data: ProbeData | None = None  # the held-out split of the probe's training texts, read once (main)
+
+    def before_training(self, log: Any, step: int, resumed: bool) -> dict[str, Any] | None:
+        return before_training(self.cfg, self.accelerator, self.wait, log, self.beat, step, resumed)
+
+    def after_training(self, log: Any, step: int, final: Path, before: dict[str, Any] | None) -> dict[str, Any] | None:
+        return after_training(self.cfg, self.accelerator, self.wait, log, self.beat, step, final, before, self)
 
     def at_eval(self, step: int) -> dict[str, Any]:
         """This evaluation's probe fields for metrics.jsonl ({} without --probe_every_eval)."""
