@@ -97,7 +97,7 @@ def test_the_timed_steps_wait_for_the_device_where_the_programs_they_stand_for_d
     """Counted on the CPU as tests/test_syncs.py counts `mlm_ddp.train` (scalar reads, data-dependent shapes,
     boolean indexing, `.tolist()`), each placed at the innermost frame that made it: nothing in the bench's
     own code, so (a) waits only where transformers and torch do in the script, and (b) once per step, at the
-    read of the step's all-reduce (step.py), train's budget. Before issue 46: one more per step in each, the
+    read of the step's all-reduce (loop/step.py), train's budget. Before issue 46: one more per step in each, the
     `int(...)` of the masked tokens in bench.py, which kept the host from preparing the next batch while
     the device computed."""
     import copy
@@ -169,4 +169,4 @@ def test_the_timed_steps_wait_for_the_device_where_the_programs_they_stand_for_d
     assert counted["hf"] and counted["mlm_ddp"], "nothing counted: the modes saw no step"
     # (a): only the library's own (transformers' mask builder reads the all-ones mask back, as in the script)
     assert all(what.split()[-1].startswith(("transformers/", "torch/")) for what in device_side["hf"]), counted
-    assert device_side["mlm_ddp"] == {"tolist step.py": steps}, counted
+    assert device_side["mlm_ddp"] == {"tolist loop/step.py": steps}, counted

@@ -3,7 +3,7 @@ operations that would sync on a CUDA device. A torch dispatch mode sees every at
 loop (`train.fit`, forward and backward included): scalar reads (`.item()`, `int()`, `bool()`:
 aten._local_scalar_dense, is_nonzero), data-dependent shapes (nonzero, masked_select, indexing or
 index_put with a boolean mask); `.tolist()`, which a dispatch mode does not see on a CPU, is counted by
-a TorchFunctionMode. The collator's work (masking.py, positions.py, the data package) is left out: on a GPU
+a TorchFunctionMode. The collator's work (data/masking.py, model/positions.py, the data package) is left out: on a GPU
 run it runs on the host, before the batch is copied to the device. The heartbeat says which step each count belongs to.
 
 The budget: exactly one wait for the device per optimizer step on the steps that neither log, evaluate
@@ -39,7 +39,7 @@ BOOLEAN_INDEXED = ("aten.index.Tensor", "aten.index_put.default", "aten.index_pu
 SYNC_BUDGET = 1
 
 
-HOST_SIDE = ("masking.py", "positions.py", "data/")  # the collator and the loaders: host tensors
+HOST_SIDE = ("data/", "model/positions.py")  # the collator (data/masking.py) and the loaders: host tensors
 
 
 def place() -> str:
@@ -159,7 +159,7 @@ def test_the_hot_loop_waits_for_the_device_once_per_optimizer_step(counted: dict
     """Exactly the budget, neither 0 (the modes saw nothing) nor more: the read of the step's all-reduce."""
     steps = waits(counted)
     print(f"syncs and copies of Python data per optimizer step (accumulation 2): {describe(steps)}")
-    assert any(what.startswith("tolist step.py") for what in steps[2]), "nothing counted: the modes saw no step"
+    assert any(what.startswith("tolist loop/step.py") for what in steps[2]), "nothing counted: the modes saw no step"
     assert all(len(v) == SYNC_BUDGET for v in steps.values()), describe(steps)
 
 
@@ -214,5 +214,5 @@ def test_a_padded_micro_batch_costs_no_wait_for_the_device(padded_counted: dict)
     steps = waits(padded_counted)
     print(f"padded micro-batches per quiet step {[len(v) for v in padded.values()]}; waits: {describe(steps)}")
     assert all(padded.values()), f"a quiet step without a padded micro-batch proves nothing: {padded}"
-    assert any(what.startswith("tolist step.py") for what in steps[2]), "nothing counted: the modes saw no step"
+    assert any(what.startswith("tolist loop/step.py") for what in steps[2]), "nothing counted: the modes saw no step"
     assert all(len(v) == SYNC_BUDGET for v in steps.values()), describe(steps)
