@@ -558,7 +558,7 @@ def test_the_rank_with_the_fewest_beats_is_named_when_all_are_alive(tmp_path: Pa
 def test_the_hang_line_is_said_before_its_record_is_written(tmp_path: Path) -> None:
     """Finding 6: the record was written (and fsynced) first; on a network filesystem that stalls, NCCL's
     own abort came before the line. Here the record's write never returns: the line is out all the same."""
-    code = ("import time, sys; from mlm_ddp import watchdog; "
+    code = ("import time, sys; from mlm_ddp.cluster import watchdog; "
             "watchdog.write_atomic = lambda *a, **k: time.sleep(600); "
             f"stall = watchdog.on_stall_exit({str(tmp_path)!r}, 0, lambda err: f'lost: {{err}}', 'prog', 1); "
             "stall('rank 1 on n2 (pid 7) stopped in the data phase of step 3', 18.0, 20.0)")
