@@ -112,7 +112,8 @@ def test_preemption_saves_on_every_rank_requeues_and_resumes(slurm: dict, submit
     assert len(stopped) == 2 and len(set(stopped)) == 1  # both ranks, the same step
     assert f"requeued job {job}" in logs
     step = int(stopped[0])
-    resumed = re.search(r"(\d\d:\d\d:\d\d) INFO mlm_ddp.train: \[RANK 0\] resumed from .*step-0*" + str(step), logs)
+    resumed = re.search(r"(\d\d:\d\d:\d\d) INFO mlm_ddp.loop.checkpoint: \[RANK 0\] resumed from .*step-0*"
+                        + str(step), logs)
     assert resumed
     took = (datetime.combine(signalled.date(), datetime.strptime(resumed.group(1), "%H:%M:%S").time())
             - signalled).total_seconds()
