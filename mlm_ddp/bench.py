@@ -43,7 +43,7 @@ from transformers import AutoModelForMaskedLM, DataCollatorForLanguageModeling, 
 from mlm_ddp import data as mdata
 from mlm_ddp.cluster import heartbeat, precision, watchdog_cost
 from mlm_ddp.cluster import launcher as distributed
-from mlm_ddp.config import ModelConfig, _doc, from_dict
+from mlm_ddp.config import ModelConfig, _doc, from_dict, parse_exactly
 from mlm_ddp.data.masking import EVAL_SPLIT, IGNORE_INDEX, TRAIN_SPLIT, MaskingCollator
 from mlm_ddp.errors import BadInput
 from mlm_ddp.loop.checkpoint import StopSignals
@@ -411,7 +411,7 @@ def format_table(result: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = HfArgumentParser(BenchConfig, prog="mlm_ddp.bench", description=__doc__.split("\n")[0])
-    (cfg,) = parser.parse_args_into_dataclasses(args=argv)
+    (cfg,) = parse_exactly(parser, argv)
     if cfg.watchdog_cost:
         rows = watchdog_cost.cost(cfg.watchdog_cost)
         print(watchdog_cost.format_rows(rows))

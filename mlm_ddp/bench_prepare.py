@@ -26,7 +26,7 @@ from pathlib import Path
 
 from transformers import HfArgumentParser
 
-from mlm_ddp.config import _doc
+from mlm_ddp.config import _doc, parse_exactly
 from mlm_ddp.errors import EXIT_BAD_INPUT, BadInput, say
 
 ANCHOR_TOKENS_PER_S = 0.85e6  # one core of HF tokenizers (marin-community/marin#2829)
@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         return run_first_step(argv[1:])
     try:
         parser = HfArgumentParser(BenchPrepareConfig, prog="python -m mlm_ddp.bench_prepare")
-        (cfg,) = parser.parse_args_into_dataclasses(args=argv)
+        (cfg,) = parse_exactly(parser, argv)
     except BadInput as err:
         say(f"mlm_ddp.bench_prepare: error: {err}")
         return EXIT_BAD_INPUT

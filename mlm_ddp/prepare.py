@@ -38,7 +38,7 @@ from transformers import HfArgumentParser
 
 from mlm_ddp.cluster import launcher as distributed
 from mlm_ddp.cluster.durable import fsync_dir, write_atomic
-from mlm_ddp.config import DataConfig, ModelConfig, _doc
+from mlm_ddp.config import DataConfig, ModelConfig, _doc, parse_exactly
 from mlm_ddp.data import prepared as fmt
 from mlm_ddp.data.pack import TOKENIZE_BATCH
 from mlm_ddp.data.pool import Packer, WorkerDied, Workers
@@ -404,7 +404,7 @@ def make_parser() -> HfArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     try:
-        model, data, opts = make_parser().parse_args_into_dataclasses(args=argv)
+        model, data, opts = parse_exactly(make_parser(), argv)
         if opts.nodes is not None:
             manifest = submit(model, data, opts)
         else:

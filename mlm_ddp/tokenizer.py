@@ -35,7 +35,7 @@ from datasets import Dataset
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 from transformers import BertTokenizerFast, HfArgumentParser
 
-from mlm_ddp.config import DataConfig, _doc
+from mlm_ddp.config import DataConfig, _doc, parse_exactly
 from mlm_ddp.data import AnyDataset, load_text
 from mlm_ddp.errors import BadInput
 
@@ -267,9 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = HfArgumentParser(TokenizerConfig, prog=PROG, description=__doc__.split("\n")[0],
                               allow_abbrev=False)
     try:
-        cfg, rest = parser.parse_args_into_dataclasses(args=argv, return_remaining_strings=True)
-        if rest:
-            parser.error(f"unrecognized arguments: {' '.join(rest)}")
+        (cfg,) = parse_exactly(parser, argv)
         result = train_tokenizer(cfg)
     except BadInput as err:
         # one write: the line arrives whole even on an unbuffered stderr

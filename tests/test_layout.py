@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import config_walk
 from tests.conftest import REPO
 
 PKG = REPO / "mlm_ddp"
@@ -221,3 +222,65 @@ def test_every_entry_point_answers_help(entry: str) -> None:
                           timeout=300, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "usage" in proc.stdout.lower(), proc.stdout[:500]
+
+
+# the walk of the run's config from train() (tests/config_walk.py): at the move, before these figures, it was
+# 50 functions, 18 modules, 35 stays and 14 climbs; when issue 48 was filed (before mixtures), 48/16/29/10
+WALK_AT_MOST = {"modules": 17, "stays": 24, "climbs": 9}
+
+
+def test_the_config_is_handed_to_its_owners_once() -> None:
+    """Following the config from train() enters no more modules, stays and climbs than the layout left: a
+    new capability hands its section to the object that owns it, instead of threading it down and back up.
+    Lower the figures when a change lowers them."""
+    found = config_walk.measure(REPO)
+    assert found["functions"] > 20 and "mlm_ddp.data.rank" in found["path"]  # the walk read the package
+    over = {k: (found[k], limit) for k, limit in WALK_AT_MOST.items() if found[k] > limit}
+    assert not over, f"{over}: python -m tests.config_walk --tree shows where the config goes"
+
+
+def test_the_walk_follows_sections_not_fields(tmp_path: Path) -> None:
+    """The walk on a package of four modules: a section or a name bound to one is followed, a field is not,
+    an attribute of `self` set from the config is, a re-export resolves; a return up a floor is a climb."""
+    pkg = tmp_path / "mlm_ddp"
+    (pkg / "low").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "low" / "__init__.py").write_text("from mlm_ddp.low.leaves import leaf\n")
+    (pkg / "low" / "leaves.py").write_text("def leaf(data):\n    return data\n\n"
+                                           "def untouched(seed):\n    return seed\n")
+    (pkg / "mid.py").write_text(
+        "from mlm_ddp.low import leaf\nfrom mlm_ddp.low.leaves import untouched\n\n"
+        "class Owner:\n    def __init__(self, cfg):\n        self.data = cfg.data\n        self.use()\n\n"
+        "    def use(self):\n        leaf(self.data)\n        untouched(self.data.seed)\n")
+    (pkg / "train.py").write_text(
+        "from mlm_ddp import mid\nfrom mlm_ddp.low.leaves import leaf, untouched\n\n"
+        "def train(cfg):\n    untouched(cfg.training.seed)\n    mid.Owner(cfg)\n    section = cfg.data\n"
+        "    helper(section)\n\ndef helper(data):\n    leaf(data)\n")
+    found = config_walk.measure(tmp_path)
+    assert found["tree"] == ["train:train(cfg)", "  mid:Owner.__init__(cfg)", "    mid:Owner.use()",
+                             "      low.leaves:leaf(data)", "  train:helper(data)"]
+    assert found["path"] == ["mlm_ddp.train", "mlm_ddp.mid", "mlm_ddp.low.leaves", "mlm_ddp.train"]
+    assert (found["modules"], found["stays"], found["climbs"]) == (3, 4, 1)
+
+
+@pytest.mark.parametrize(("entry", "argv"), [
+    ("train", []), ("probe.standalone", ["model_dir"]), ("prepare", ["--output_dir", "out", "--train_file", "a.txt"]),
+    ("bench", []), ("bench_prepare", ["--corpus", "corpus", "--medium", "corpus", "--small", "corpus"]),
+    ("tokenizer", ["--output_dir", "unused"]), ("submit", ["--nodes", "1", "--cluster", "debug"]),
+])
+def test_a_mistyped_flag_is_named_not_a_traceback(entry: str, argv: list[str], capsys: pytest.CaptureFixture,
+                                                  tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every tool refuses a flag it does not know as argparse does: exit 2, the flag named, no traceback,
+    nothing written (submit checks the training flags before it submits)."""
+    import importlib
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "a.txt").write_text("a line of text\n")
+    main = importlib.import_module(f"mlm_ddp.{entry}").main
+    with pytest.raises(SystemExit) as exited:
+        main([*argv, "--max_train_stepz", "10"])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert "unrecognized arguments: --max_train_stepz 10" in err and "Traceback" not in err, err[-1000:]
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["a.txt", "corpus"]

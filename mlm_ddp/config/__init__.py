@@ -15,7 +15,7 @@ May import: `mlm_ddp.errors` and itself; every other folder reads the config, so
 from mlm_ddp.config.run import RunConfig
 from mlm_ddp.config.sections import DataConfig, ModelConfig, _doc
 from mlm_ddp.config.training import TrainingConfig
-from mlm_ddp.config.tree import Config, from_dict, load_recipe, parse_args
+from mlm_ddp.config.tree import Config, from_dict, load_recipe, parse_args, parse_exactly
 
 __all__ = ["Config", "DataConfig", "ModelConfig", "RunConfig", "TrainingConfig", "_doc", "from_dict", "load_recipe",
-           "parse_args"]
+           "parse_args", "parse_exactly"]

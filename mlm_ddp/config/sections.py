@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from mlm_ddp.config.mixture import check_sources
+from mlm_ddp.config.mixture import check_sources, is_mixture, source_names
 from mlm_ddp.errors import BadInput
 
 DEFAULT_SPLIT_PERCENTAGE = 5.0  # --validation_split_percentage
@@ -275,3 +275,13 @@ class DataConfig:
             raise BadInput(f"--shuffle_buffer_size must be at least 1, got {self.shuffle_buffer_size}")
         if self.dataloader_num_workers < 0:
             raise BadInput(f"--dataloader_num_workers must be >= 0, got {self.dataloader_num_workers}")
+
+    # what the section says about its own sources: asked of it, so the data code is handed the section once
+    @property
+    def mixed(self) -> bool:
+        """Several training sources, mixed by their weights."""
+        return is_mixture(self)
+
+    def train_source_names(self) -> list[str]:
+        """The training sources' names: --train_names, else their file stems made unique."""
+        return source_names(self)

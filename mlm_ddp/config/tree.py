@@ -184,11 +184,18 @@ def parse_args(argv: list[str] | None = None) -> Config:
         if given(argv, "learning_rate") and not given(argv, "lr_reference_batch"):
             recipe.pop("lr_reference_batch", None)  # the user's rate is for the user's batch
         parser.set_defaults(**recipe)
+    parsed = parse_exactly(parser, argv)  # one dataclass per section, then a Namespace holding --config
+    return Config(*parsed[: len(SECTIONS)])
+
+
+def parse_exactly(parser: HfArgumentParser, argv: list[str] | None) -> tuple[Any, ...]:
+    """The parser's dataclasses (and a Namespace for its plain arguments, if any). A flag it does not know
+    is refused as argparse refuses one (usage, the flag, exit 2) instead of HfArgumentParser's ValueError
+    traceback, so that a typo reads as one in every tool."""
     *parsed, rest = parser.parse_args_into_dataclasses(args=argv, return_remaining_strings=True)
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
-    # parsed = one dataclass per section, then a Namespace holding --config
-    return Config(*parsed[: len(SECTIONS)])
+    return tuple(parsed)
 
 
 def given(argv: list[str], name: str) -> bool:

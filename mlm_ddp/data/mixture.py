@@ -36,7 +36,6 @@ from datasets import Dataset
 from torch.utils.data import DataLoader
 
 from mlm_ddp.config import DataConfig
-from mlm_ddp.config.mixture import is_mixture, source_names
 from mlm_ddp.data.epochs import EpochBatchSampler, own_generator
 from mlm_ddp.data.masking import EPOCH_KEY
 from mlm_ddp.data.prepared import MANIFEST, load_prepared
@@ -230,7 +229,7 @@ def source_config(cfg: DataConfig, path: str) -> DataConfig:
 def load_mixture(cfg: DataConfig, seed: int, tokenizer: Any) -> tuple[Mixture, AnyDataset | dict | None]:
     """The sources, and what is evaluated: the --validation_file sources, else each source's own held-out
     share, by source name."""
-    names, total = source_names(cfg), sum(cfg.train_weights)
+    names, total = cfg.train_source_names(), sum(cfg.train_weights)
     configs = [source_config(cfg, path) for path in cfg.train_file]
     raw, held = [], {}
     for name, config in zip(names, configs, strict=True):
@@ -250,11 +249,11 @@ def load_mixture(cfg: DataConfig, seed: int, tokenizer: Any) -> tuple[Mixture, A
 
 def load_data(cfg: DataConfig, seed: int, tokenizer: Any) -> tuple[Any, AnyDataset | dict | None]:
     """(train, eval) of the run: a prepared folder's blocks, a mixture of sources, or one source's texts."""
+    if cfg.mixed:  # never with --prepared_data (DataConfig refuses both); a source may be a prepared folder
+        return load_mixture(cfg, seed, tokenizer)
     if cfg.prepared_data is not None:  # blocks, memory-mapped; refused here if another tokenizer made them
         train, evaluation, _ = load_prepared(cfg, tokenizer)
         return train, evaluation
-    if is_mixture(cfg):
-        return load_mixture(cfg, seed, tokenizer)
     return load_text(cfg, seed)
 
 

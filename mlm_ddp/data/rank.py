@@ -43,15 +43,15 @@ def rank_dataset(raw: AnyDataset, tokenizer: Any, cfg: DataConfig, rank: int, wo
                                 part_bytes=None if split.part_bytes is None else split.part_bytes[rank])
         return tokenize_dataset(part, tokenizer, cfg)
     limit = cfg.max_train_samples if shuffle_seed is not None else cfg.max_eval_samples
-    if cfg.prepared_data is not None or is_blocks(raw, cfg):  # blocks already, memory-mapped (data.prepared)
+    if cfg.prepared_data is not None or is_blocks(raw, cfg.text_column):  # blocks, memory-mapped (data.prepared)
         return _first_sequences(raw, limit)
     return _first_sequences(tokenize_dataset(raw, tokenizer, cfg), limit)
 
 
-def is_blocks(raw: Dataset, cfg: DataConfig) -> bool:
+def is_blocks(raw: Dataset, text_column: str) -> bool:
     """A prepared folder's blocks (a mixture's source, or its held-out share), not texts."""
     columns = raw.column_names or []
-    return "input_ids" in columns and cfg.text_column not in columns
+    return "input_ids" in columns and text_column not in columns
 
 
 def to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:

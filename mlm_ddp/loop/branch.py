@@ -58,10 +58,10 @@ def resolve(cfg: Config) -> None:
     training.num_decay_steps, training.max_train_steps = float(decay), step + decay
 
 
-def source_metrics(cfg: Config) -> Path | None:
-    """The metrics.jsonl of the run a decay branch continues (OUT/checkpoints/step-N -> OUT/metrics.jsonl):
-    its evaluation and probe before training are the branch's 'before' too."""
-    return None if cfg.run.decay_from is None else Path(cfg.run.decay_from).parent.parent / "metrics.jsonl"
+def source_metrics(decay_from: str | None) -> Path | None:
+    """The metrics.jsonl of the run a decay branch continues (--decay_from OUT/checkpoints/step-N ->
+    OUT/metrics.jsonl): its evaluation and probe before training are the branch's 'before' too."""
+    return None if decay_from is None else Path(decay_from).parent.parent / "metrics.jsonl"
 
 
 def describe(cfg: Config) -> str | None:

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from transformers import HfArgumentParser, PreTrainedModel
 
-from mlm_ddp.config import _doc
+from mlm_ddp.config import _doc, parse_exactly
 from mlm_ddp.data.text import _builder_for, _load, check_columns
 from mlm_ddp.errors import BadInput, say
 from mlm_ddp.probe.compare import change, describe_change, settings
@@ -408,7 +408,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("models", nargs="+", metavar="MODEL",
                         help="model folder, Hub name, a run's final/ or checkpoints/step-N folder")
     try:
-        cfg, positional = parser.parse_args_into_dataclasses(args=argv)
+        cfg, positional = parse_exactly(parser, argv)
         data = load_probe_data(cfg)  # every data problem is found before any model is loaded
         for note in data.notes:
             say(f"{PROG}: warning: {note}")

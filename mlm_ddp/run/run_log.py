@@ -200,7 +200,7 @@ class RunLog:
         self.total_steps, self.tokens_before = total_steps, tokens_before
         out = Path(cfg.run.output_dir)
         self.path, self.enabled = out / METRICS_FILE, accelerator.is_main_process
-        self.source = branch.source_metrics(cfg)  # a decay branch's source run's metrics.jsonl
+        self.source = branch.source_metrics(cfg.run.decay_from)  # a decay branch's source run's metrics.jsonl
         if resumed:
             self._trim(start_step)
         if trackers:
