@@ -42,9 +42,19 @@ from mlm_ddp.config import DataConfig, ModelConfig, _doc, parse_exactly
 from mlm_ddp.data import prepared as fmt
 from mlm_ddp.data.pack import TOKENIZE_BATCH
 from mlm_ddp.data.pool import Packer, WorkerDied, Workers
-from mlm_ddp.data.sources import PROG, Corpus, FileRead, count_rows, owned_chunks, reader, resolve
+from mlm_ddp.data.sources import PROG, Corpus, FileRead, count_rows, one_corpus, owned_chunks, reader, resolve
 from mlm_ddp.data.stream import balance_shards
 from mlm_ddp.errors import EXIT_BAD_INPUT, BadInput, say
+
+
+@dataclass
+class PrepareData(DataConfig):
+    """The data flags as prepare takes them: one corpus, refused as several before the mixture's own checks
+    (which would ask for --train_weights) run."""
+
+    def __post_init__(self) -> None:
+        one_corpus(self.train_file)
+        super().__post_init__()
 
 
 @dataclass
@@ -396,7 +406,7 @@ class TaskFailed(Exception):
 
 def make_parser() -> HfArgumentParser:
     return HfArgumentParser(
-        (ModelConfig, DataConfig, PrepareConfig), prog=f"python -m {PROG}", allow_abbrev=False,
+        (ModelConfig, PrepareData, PrepareConfig), prog=f"python -m {PROG}", allow_abbrev=False,
         formatter_class=argparse.HelpFormatter,
         description="Tokenize and pack a corpus once into memory-mapped shards; train with --prepared_data DIR. "
                     "Takes the data and tokenizer flags of mlm_ddp.train (the others are refused).")

@@ -428,6 +428,22 @@ def bad_file(kind: str, root: Path) -> Path:
     return folder
 
 
+@pytest.mark.parametrize("weights", [[], ["--train_weights", "0.9", "0.1"]])
+def test_two_sources_are_refused_with_the_way_to_mix_them(weights: list[str], tmp_path: Path,
+                                                          capsys: pytest.CaptureFixture) -> None:
+    """Several --train_file sources: one line that says to prepare each and mix the folders (before, without
+    weights, it asked for --train_weights, which prepare then refused too)."""
+    for name in ("a.txt", "b.txt"):
+        (tmp_path / name).write_text("a line of text\n")
+    out = tmp_path / "out"
+    argv = ["--train_file", str(tmp_path / "a.txt"), str(tmp_path / "b.txt"), *weights, "--output_dir", str(out)]
+    assert prep.main(argv) == 2
+    lines = error_lines(capsys.readouterr().err, "mlm_ddp.prepare")
+    assert len(lines) == 1 and "prepare writes one corpus, not 2 --train_file sources: prepare each source into " \
+        "its own folder and mix the folders in training" in lines[0], lines
+    assert not out.exists()
+
+
 @pytest.mark.parametrize(("kind", "words", "plans"), [
     ("empty", "b.jsonl: the file is empty; remove it from --train_file", False),
     ("blank", "b.jsonl: holds no texts (every line or 'text' value is blank)", True),

@@ -78,6 +78,13 @@ def expand(spec: str, flag: str) -> list[Path]:
     return found
 
 
+def one_corpus(train_file: Any) -> None:
+    """prepare writes one corpus: several --train_file sources are refused with the way to mix them."""
+    if isinstance(train_file, (list, tuple)) and len(train_file) > 1:
+        raise BadInput(f"prepare writes one corpus, not {len(train_file)} --train_file sources: prepare each "
+                       "source into its own folder and mix the folders in training (--train_file A B --train_weights)")
+
+
 def resolve(data: DataConfig) -> Corpus:
     """The corpus of these flags, split as training splits it."""
     if data.streaming:
@@ -89,9 +96,7 @@ def resolve(data: DataConfig) -> Corpus:
     if data.train_file is None:
         raise BadInput("give the corpus: --train_file (a file, a folder or a glob) or --dataset_name (a local "
                        "dataset folder)")
-    if len(data.train_file) > 1:
-        raise BadInput(f"prepare writes one corpus, not {len(data.train_file)} --train_file sources: prepare each "
-                       "source into its own folder and mix the folders in training (--train_file A B --train_weights)")
+    one_corpus(data.train_file)
     splits = {"train": expand(data.train_file[0], "--train_file"), "eval": []}
     if data.validation_file is not None:
         if len(data.validation_file) > 1:
