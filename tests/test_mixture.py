@@ -140,6 +140,8 @@ def test_realized_token_shares_match_the_weights_over_100_steps(tiny_model: Path
     assert f"; sources: docs {sources[0]['tokens']} tokens (70.0%" in closing and "passes)" in closing
     start = next(line for line in caplog.text.splitlines() if "a mixture of 2 sources" in line)
     assert "docs 70.0% of the tokens" in start and f"{sources[1]['passes']:.2f} passes in this run" in start
+    card = (tmp_path / "run" / "final" / "README.md").read_text()
+    assert f"on {corpus['train'].name} (70% of the tokens), {other.name} (30% of the tokens), trained" in card
 
 
 def test_fsdp_and_a_resume_train_the_same_steps(straight: Path, tiny_model: Path, corpus: dict, other: Path,

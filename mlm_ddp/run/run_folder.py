@@ -471,8 +471,11 @@ def model_card(cfg: Config, steps: int, tokens: int, eval_before: dict[str, floa
         base = model.model_name_or_path or "sentence-transformers/all-MiniLM-L6-v2"
         hub_base = base if base.count("/") == 1 and not Path(base).exists() else None
         origin = f"{base} fine-tuned with masked-language modeling"
-    source = data.dataset_name or (", ".join(Path(f).name for f in data.train_file) if data.train_file
-                                   else "Python's documentation (mlm_ddp's embedded corpus)")
+    files = [Path(f).name for f in data.train_file or []]
+    if data.mixed:  # each source with its share of the training tokens, as --train_weights gave it
+        files = [f"{f} ({100 * w / sum(data.train_weights):.3g}% of the tokens)"
+                 for f, w in zip(files, data.train_weights, strict=True)]
+    source = data.dataset_name or (", ".join(files) if files else "Python's documentation (mlm_ddp's embedded corpus)")
     meta = {"library_name": "transformers", "pipeline_tag": "fill-mask", "tags": ["mlm_ddp", "fill-mask"],
             **({"base_model": hub_base} if hub_base else {}),
             **({"datasets": [data.dataset_name]} if data.dataset_name and not Path(data.dataset_name).exists() else {})}
