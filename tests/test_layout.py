@@ -11,7 +11,6 @@ cycle; they still keep the floors.
 from __future__ import annotations
 
 import ast
-import subprocess
 import sys
 from collections.abc import Iterable
 from pathlib import Path
@@ -216,12 +215,20 @@ def test_train_stays_one_screen_of_wiring() -> None:
 
 
 @pytest.mark.parametrize("entry", ENTRY_POINTS)
-def test_every_entry_point_answers_help(entry: str) -> None:
-    """`python -m mlm_ddp.X --help` where users type it, whatever folder its body moved to."""
-    proc = subprocess.run([sys.executable, "-m", f"mlm_ddp.{entry}", "--help"], capture_output=True, text=True,
-                          timeout=300, cwd=REPO)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "usage" in proc.stdout.lower(), proc.stdout[:500]
+def test_every_entry_point_answers_help(entry: str, monkeypatch: pytest.MonkeyPatch,
+                                        capsys: pytest.CaptureFixture) -> None:
+    """`python -m mlm_ddp.X --help` where users type it, whatever folder its body moved to: run as `-m` runs
+    it (runpy, a package through its __main__.py), in this process, where the imports are already paid for."""
+    import runpy
+    import warnings
+
+    monkeypatch.setattr(sys, "argv", [f"mlm_ddp.{entry}", "--help"])
+    with pytest.raises(SystemExit) as exited, warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # "found in sys.modules": other tests imported it
+        runpy.run_module(f"mlm_ddp.{entry}", run_name="__main__", alter_sys=True)
+    assert exited.value.code in (0, None)
+    out = capsys.readouterr().out
+    assert "usage" in out.lower(), out[:500]
 
 
 # the walk of the run's config from train() (tests/config_walk.py): at the move, before these figures, it was
