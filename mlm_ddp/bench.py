@@ -410,7 +410,8 @@ def format_table(result: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = HfArgumentParser(BenchConfig, prog="mlm_ddp.bench", description=__doc__.split("\n")[0])
+    parser = HfArgumentParser(BenchConfig, prog="mlm_ddp.bench", description=__doc__.split("\n")[0],
+                              allow_abbrev=False)
     (cfg,) = parse_exactly(parser, argv)
     if cfg.watchdog_cost:
         rows = watchdog_cost.cost(cfg.watchdog_cost)

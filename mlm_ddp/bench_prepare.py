@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["--first_step"]:
         return run_first_step(argv[1:])
     try:
-        parser = HfArgumentParser(BenchPrepareConfig, prog="python -m mlm_ddp.bench_prepare")
+        parser = HfArgumentParser(BenchPrepareConfig, prog="python -m mlm_ddp.bench_prepare", allow_abbrev=False)
         (cfg,) = parse_exactly(parser, argv)
     except BadInput as err:
         say(f"mlm_ddp.bench_prepare: error: {err}")

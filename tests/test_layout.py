@@ -286,8 +286,8 @@ def test_a_mistyped_flag_is_named_not_a_traceback(entry: str, argv: list[str], c
     (tmp_path / "corpus" / "a.txt").write_text("a line of text\n")
     main = importlib.import_module(f"mlm_ddp.{entry}").main
     with pytest.raises(SystemExit) as exited:
-        main([*argv, "--max_train_stepz", "10"])
+        main([*argv, "--max_train_step", "10"])  # a prefix of --max_train_steps is a typo, not that flag
     assert exited.value.code == 2
     err = capsys.readouterr().err
-    assert "unrecognized arguments: --max_train_stepz 10" in err and "Traceback" not in err, err[-1000:]
+    assert "unrecognized arguments: --max_train_step 10" in err and "Traceback" not in err, err[-1000:]
     assert sorted(p.name for p in tmp_path.rglob("*")) == ["a.txt", "corpus"]

@@ -148,6 +148,9 @@ def make_parser() -> HfArgumentParser:
         tuple(SECTIONS.values()),
         prog="mlm_ddp.train",
         description="Masked-language-model fine-tuning of BERT-family models on Accelerate.",
+        # a prefix is not a flag: --max_train_step is refused, not read as --max_train_steps, and a recipe's
+        # rule that asks whether --learning_rate was given (`given`) sees every flag as it is spelled
+        allow_abbrev=False,
     )
     parser.add_argument(
         "--config", default=None, metavar="RECIPE.yaml",
