@@ -110,6 +110,11 @@ from mlm_ddp.cluster.launcher import detect
 topo = detect(cuda_devices=0)
 wait, scope = collectives.join_process_group(topo, collectives.Timeouts(ddp=5, save=30, rendezvous=int(sys.argv[1])))
 print("joined", topo.world_size, scope, flush=True)
+# torn down as a run tears down (collectives.tear_down_after): left to the interpreter's exit, a gloo group's
+# threads can abort the process (SIGABRT, "terminate called without an active exception") after it joined
+wait.close()
+import torch
+torch.distributed.destroy_process_group()
 """
 
 
