@@ -93,9 +93,7 @@ def test_cli_error_exits_2() -> None:
     proc = run_module(["mlm_ddp.train", "--mlm_probability", "2"])
     assert proc.returncode == 2
     assert "--mlm_probability must be strictly between 0 and 1, got 2.0" in proc.stderr
-    proc = run_module(["mlm_ddp.train", "--no_such_flag", "1"])
-    assert proc.returncode == 2
-    assert "--no_such_flag" in proc.stderr
+    # an unknown flag: test_layout's test_a_mistyped_flag_is_named_not_a_traceback, every tool in one process
 
 
 def test_defaults_are_valid() -> None:

@@ -273,7 +273,7 @@ def test_the_walk_follows_sections_not_fields(tmp_path: Path) -> None:
 @pytest.mark.parametrize(("entry", "argv"), [
     ("train", []), ("probe.standalone", ["model_dir"]), ("prepare", ["--output_dir", "out", "--train_file", "a.txt"]),
     ("bench", []), ("bench_prepare", ["--corpus", "corpus", "--medium", "corpus", "--small", "corpus"]),
-    ("tokenizer", ["--output_dir", "unused"]), ("submit", ["--nodes", "1", "--cluster", "debug"]),
+    ("tokenizer", ["--output_dir", "unused"]),  # submit's: test_submit's test_bad_input_is_refused_before_submission
 ])
 def test_a_mistyped_flag_is_named_not_a_traceback(entry: str, argv: list[str], capsys: pytest.CaptureFixture,
                                                   tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -66,7 +66,9 @@ def test_debug_cluster_runs_the_job_end_to_end(tiny_model: Path, corpus: dict, t
                   ".*choose another --output_dir, and submit without --overwrite_output_dir$"),
 ])
 def test_bad_input_is_refused_before_submission(case: str, message: str, tiny_model: Path, corpus: dict,
-                                                tmp_path: Path) -> None:
+                                                tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """In this process (main(argv), as `python -m mlm_ddp.submit` calls it): a refusal is parsed and checked
+    before anything is submitted, so no interpreter start is needed to see it."""
     out = tmp_path / "run"
     args = tiny_args(tiny_model, corpus, out, "--max_train_steps", "3")
     extra = {"unknown_flag": ["--no_such_flag", "1"], "nodes_0": ["--nodes", "0"],
@@ -74,12 +76,16 @@ def test_bad_input_is_refused_before_submission(case: str, message: str, tiny_mo
              "missing_train_file": ["--train_file", str(tmp_path / "absent.txt")],
              "local_two_nodes": ["--cluster", "local", "--nodes", "2"],
              "overwrite": ["--overwrite_output_dir"]}[case]
-    proc = submit({}, *args, *extra)
-    assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert re.search(message, proc.stderr, re.MULTILINE), proc.stderr
+    try:
+        code = main([*args, *extra])
+    except SystemExit as exited:  # argparse's refusal of a flag
+        code = exited.code
+    said = capsys.readouterr()
+    assert code == 2, said.out + said.err
+    assert re.search(message, said.err, re.MULTILINE), said.err
     if case != "unknown_flag":  # argparse adds its usage
-        assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
-    assert "submitted job" not in proc.stdout and not out.exists()
+        assert len(said.err.strip().splitlines()) == 1, said.err
+    assert "submitted job" not in said.out and not out.exists()
 
 
 @pytest.fixture(scope="module")
