@@ -31,7 +31,6 @@ SECTIONS = ("model", "data", "training", "run")  # config/tree.py's Config: the 
 @dataclass
 class Module:
     name: str
-    tree: ast.Module
     functions: dict[str, ast.FunctionDef] = field(default_factory=dict)
     classes: dict[str, ast.ClassDef] = field(default_factory=dict)
     bound: dict[str, str] = field(default_factory=dict)  # local name -> "mlm_ddp.x" or "mlm_ddp.x:attr"
@@ -46,7 +45,7 @@ def read_package(repo: Path) -> dict[str, Module]:
         is_init = parts[-1] == "__init__"
         name = ".".join(parts[:-1] if is_init else parts)
         tree = ast.parse(path.read_text())
-        mod = Module(name, tree)
+        mod = Module(name)
         for node in tree.body:
             if isinstance(node, ast.FunctionDef):
                 mod.functions[node.name] = node
@@ -109,7 +108,7 @@ def resolve_name(mods: dict[str, Module], module: str, name: str, hops: int = 0)
     return None
 
 
-def constructor(mods: dict[str, Module], target: Target) -> Target | None:
+def constructor(target: Target) -> Target:
     """A class call enters its __init__ (or __post_init__); a class with neither is still entered."""
     if not isinstance(target.node, ast.ClassDef):
         return target
@@ -138,8 +137,6 @@ class Walk:
         if isinstance(expr, ast.Attribute) and isinstance(expr.value, ast.Name):
             if expr.value.id == "self" and cls is not None:
                 return self.self_carriers.get(id(cls), {}).get(expr.attr)
-            if carriers.get(expr.value.id) == "tree" and expr.attr in SECTIONS:
-                return "section"
         if isinstance(expr, ast.Attribute) and self.carries(expr.value, carriers, cls) == "tree":
             return "section" if expr.attr in SECTIONS else None
         return None
@@ -147,7 +144,7 @@ class Walk:
     def callee(self, module: str, cls: ast.ClassDef | None, func: ast.expr) -> Target | None:
         if isinstance(func, ast.Name):
             found = resolve_name(self.mods, module, func.id)
-            return constructor(self.mods, found) if found else None
+            return constructor(found) if found else None
         if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name):
             owner = func.value.id
             if owner in ("self", "cls") and cls is not None:
@@ -158,7 +155,7 @@ class Walk:
             bound = self.mods[module].bound.get(owner, "")
             if bound in self.mods:  # module.function
                 found = resolve_name(self.mods, bound, func.attr)
-                return constructor(self.mods, found) if found else None
+                return constructor(found) if found else None
             found = resolve_name(self.mods, module, owner)  # Class.method / Class.classmethod
             if found and isinstance(found.node, ast.ClassDef):
                 for item in found.node.body:

@@ -115,8 +115,3 @@ def source_names(data: Any) -> list[str]:
     if data.train_file is None:
         return []
     return list(data.train_names) if data.train_names is not None else unique_names(data.train_file, "--train_file")
-
-
-def is_mixture(data: Any) -> bool:
-    """Several training sources, mixed by their weights."""
-    return data.train_file is not None and len(data.train_file) > 1

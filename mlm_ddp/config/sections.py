@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from mlm_ddp.config.mixture import check_sources, is_mixture, source_names
+from mlm_ddp.config.mixture import check_sources, source_names
 from mlm_ddp.errors import BadInput
 
 DEFAULT_SPLIT_PERCENTAGE = 5.0  # --validation_split_percentage
@@ -280,7 +280,7 @@ class DataConfig:
     @property
     def mixed(self) -> bool:
         """Several training sources, mixed by their weights."""
-        return is_mixture(self)
+        return self.train_file is not None and len(self.train_file) > 1
 
     def train_source_names(self) -> list[str]:
         """The training sources' names: --train_names, else their file stems made unique."""
