@@ -145,6 +145,13 @@ def test_16bit_draws_keep_each_element_with_dropouts_probability_independently(p
     assert abs(across - expected**2) < 5 * (expected**2 * (1 - expected**2) / len(k)) ** 0.5
 
 
+@pytest.mark.parametrize(("p", "kept"), [(1e-6, 1.0), (2**-17, 1.0), (1 - 1e-6, 0.0)])
+def test_16bit_draws_at_the_ends_keep_every_element_or_none(p: float, kept: float) -> None:
+    """(1-p)·2^16 rounds to 2^16 or to 0: every element kept, or none. Before: p up to 2^-17 kept none (the
+    threshold 2^15, compared with int16 values, wrapped to -2^15)."""
+    assert fast_paths.keep_mask((1001,), p, CPU).float().mean().item() == kept
+
+
 def test_dropout16_scales_like_torch_and_replays_from_a_restored_generator() -> None:
     x = torch.randn(64, 128, requires_grad=True)
     state = torch.get_rng_state()
@@ -172,3 +179,23 @@ def test_16bit_draws_replace_every_dropout_and_the_attention_function() -> None:
     assert wrapped.train()(**b)[0] != MaskedLMLoss(reference.train())(**b)[0]
     # and torch's kernels where asked
     assert wrap_model(tiny("bert"), ModelConfig(dropout_draws="torch"), False, CPU).draws16 is False
+
+
+def test_16bit_attention_gives_a_query_with_nothing_to_attend_what_sdpa_gives() -> None:
+    """A padded query whose sliding window holds only padding (ModernBERT's local layers) has a mask row of
+    False: sdpa makes its output 0 with finite gradients, and so must the 16-bit dropout path. Before: NaN
+    there, whose gradient made every parameter's gradient NaN. Dropout 1e-6 keeps every element (its
+    threshold rounds to 2^16), so the rest is sdpa's computation scaled by 1/(1-p)."""
+    import torch.nn.functional as F
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 2, 6, 8, generator=g, requires_grad=True) for _ in range(3))
+    mask = torch.ones(2, 1, 6, 6, dtype=torch.bool)
+    mask[1, :, 4:, :] = False  # two queries with nothing to attend
+    mask[0, :, :, 5] = False  # a padded key
+    out = fast_paths.attend(q, k, v, mask, 1e-6, 8**-0.5, draws16=True)
+    reference = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=8**-0.5) / (1 - 1e-6)
+    torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-6)
+    assert torch.equal(out[1, :, 4:], torch.zeros_like(out[1, :, 4:]))
+    out.square().sum().backward()
+    assert all(bool(t.grad.isfinite().all()) for t in (q, k, v))

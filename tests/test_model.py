@@ -1,6 +1,6 @@
 """The masked-only MLM head computes the loss and gradients of the full head (issue 9); a checkpoint
 saved in bf16 or fp16 trains fp32 master weights (issue 36); a padded batch's 4-D mask gives the 2-D
-mask's loss and gradients exactly (issue 46)."""
+mask's loss and gradients exactly, and each family gets the mask it takes without a read back (issue 46)."""
 
 from __future__ import annotations
 
@@ -9,20 +9,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import (
-    BertConfig,
-    BertForMaskedLM,
-    DistilBertConfig,
-    DistilBertForMaskedLM,
-    RobertaConfig,
-    RobertaForMaskedLM,
-)
+from transformers import AutoConfig, AutoModelForMaskedLM, DistilBertConfig, DistilBertForMaskedLM
 
 from mlm_ddp.config import ModelConfig
 from mlm_ddp.data.masking import IGNORE_INDEX
 from mlm_ddp.model import fast_paths
 from mlm_ddp.model import loading as model_module
-from mlm_ddp.model.loading import MaskedLMLoss, padding_mask_4d
+from mlm_ddp.model.loading import MaskedLMLoss, model_mask, padding_mask_4d
 from tests.conftest import SAME_STEPS, tiny_args, train_losses
 
 VOCAB = 500
@@ -40,13 +33,16 @@ def batch(seed: int, shape: tuple[int, int] = (4, 24)) -> dict[str, torch.Tensor
 
 
 def tiny(kind: str) -> torch.nn.Module:
+    """A 2-layer masked LM of `kind` (a transformers model type), seeded. ModernBERT's second layer is a
+    sliding-window one, its window (8) under the batch's length, so that its mask differs from the first's."""
     torch.manual_seed(0)
     size = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64)
-    if kind == "bert":
-        return BertForMaskedLM(BertConfig(**size, max_position_embeddings=64))
-    if kind == "roberta":
-        return RobertaForMaskedLM(RobertaConfig(**size, max_position_embeddings=80, pad_token_id=1))
-    return DistilBertForMaskedLM(DistilBertConfig(vocab_size=VOCAB, dim=32, n_layers=2, n_heads=2, hidden_dim=64))
+    if kind == "distilbert":
+        return DistilBertForMaskedLM(DistilBertConfig(vocab_size=VOCAB, dim=32, n_layers=2, n_heads=2, hidden_dim=64))
+    extra = {"roberta": dict(max_position_embeddings=80, pad_token_id=1),
+             "modernbert": dict(pad_token_id=0, bos_token_id=1, eos_token_id=2, cls_token_id=1, sep_token_id=2,
+                                local_attention=8, attention_dropout=0.1)}.get(kind, dict(max_position_embeddings=64))
+    return AutoModelForMaskedLM.from_config(AutoConfig.for_model(kind, **size, **extra))
 
 
 def reference_loss(model: torch.nn.Module, b: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -80,24 +76,36 @@ def test_masked_only_head_gives_the_full_head_loss_and_gradients(kind: str) -> N
     assert int(masked(**b)[1]) == int((b["labels"] != IGNORE_INDEX).sum())
 
 
+def built_masks(model: torch.nn.Module, attention_mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    """What transformers' builders make of a padded 2-D mask inside the model's forward, per layer type."""
+    from transformers.masking_utils import create_bidirectional_mask, create_bidirectional_sliding_window_mask
+
+    builders = {"full_attention": create_bidirectional_mask,
+                "sliding_attention": create_bidirectional_sliding_window_mask}
+    embeds = torch.zeros(*attention_mask.shape, 8, device=attention_mask.device)
+    return {kind: builders[kind](config=model.config, inputs_embeds=embeds, attention_mask=attention_mask)
+            for kind in set(getattr(model.config, "layer_types", None) or ["full_attention"])}
+
+
 def padded_loss_with_both_masks(kind: str, attention: str, subset: bool, device: str = "cpu") -> tuple:
     """((loss sums, gradients) with the 4-D mask, the same with the 2-D mask) of a padded batch, in training
     mode with the same seeded dropout draws; checks on the way that padding_mask_4d is the mask transformers'
-    builder makes of the 2-D one (values, shape, layout), which a 4-D mask replaces."""
-    from transformers.masking_utils import create_bidirectional_mask
-
+    builders make of the 2-D one (values, shape, layout, per layer type), which a 4-D mask replaces."""
     from tests.test_fast_paths import loss_and_grads
 
     model = tiny(kind).train().to(device)
     if attention == fast_paths.ATTENTION_DROPOUT16:
         fast_paths.use_dropout16(model)
-    net = MaskedLMLoss(model, last_layer_subset=subset and kind != "distilbert")
+    net = MaskedLMLoss(model, last_layer_subset=subset and fast_paths.subset_unsupported(model) is None)
     b = {k: v.to(device) for k, v in batch(2, (4, 24)).items()}  # its last row padded
-    built = create_bidirectional_mask(config=model.config, inputs_embeds=torch.zeros(4, 24, 8, device=device),
-                                      attention_mask=b["attention_mask"])
-    mask = padding_mask_4d(model, b["attention_mask"])
-    assert mask.dtype == torch.bool and mask.shape == built.shape == (4, 1, 24, 24) and not mask[-1, 0, 0, -1]
-    assert torch.equal(mask, built) and mask.stride() == built.stride()
+    built = built_masks(model, b["attention_mask"])
+    made = padding_mask_4d(model, b["attention_mask"])
+    made = made if isinstance(made, dict) else {"full_attention": made}
+    assert made.keys() == built.keys()
+    for kind_of_layer, mask in made.items():
+        assert mask.dtype == torch.bool and mask.shape == built[kind_of_layer].shape == (4, 1, 24, 24)
+        assert torch.equal(mask, built[kind_of_layer]) and mask.stride() == built[kind_of_layer].stride()
+        assert not mask[-1, 0, 0, -1]
     torch.manual_seed(7)
     with_4d = loss_and_grads(net, b)
     with pytest.MonkeyPatch.context() as patch:
@@ -113,7 +121,7 @@ def assert_same_bits(with_4d: tuple, with_2d: tuple) -> None:
     assert all(torch.equal(with_4d[1][name], with_2d[1][name]) for name in with_4d[1])
 
 
-@pytest.mark.parametrize("kind", ["bert", "roberta", "distilbert"])
+@pytest.mark.parametrize("kind", ["bert", "roberta", "distilbert", "modernbert"])
 @pytest.mark.parametrize("attention", ["sdpa", "sdpa_dropout16"])
 @pytest.mark.parametrize("subset", [False, True])
 def test_a_padded_batch_gets_the_4d_mask_and_exactly_the_2d_masks_loss(kind: str, attention: str,
@@ -123,22 +131,43 @@ def test_a_padded_batch_gets_the_4d_mask_and_exactly_the_2d_masks_loss(kind: str
     assert_same_bits(*padded_loss_with_both_masks(kind, attention, subset))
 
 
-def test_the_4d_mask_only_where_transformers_would_build_it_from_sdpa() -> None:
-    """Eager attention adds a float mask; ModernBERT builds a sliding-window mask from the same argument,
-    which a 4-D one would skip: both get the 2-D mask as it is."""
-    from transformers import ModernBertConfig, ModernBertForMaskedLM
-
+@pytest.mark.parametrize("kind", ["bert", "electra", "albert", "modernbert", "deberta-v2"])
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_each_model_gets_the_mask_its_forward_takes_unread(kind: str, attention: str) -> None:
+    """sdpa: the 4-D mask of a padded batch (ModernBERT: one per layer type), none when nothing is padded.
+    Eager attention adds a float mask in the dtype of the embeddings' output: the 2-D mask, built inside.
+    DeBERTa (its own attention, no sdpa) looks for padding in the ids when it gets no mask: the 2-D mask."""
+    model = tiny(kind)
+    if attention == "eager" or kind == "deberta-v2":
+        model.set_attn_implementation("eager")
+    net = MaskedLMLoss(model)
     mask = torch.ones(2, 8, dtype=torch.long)
-    mask[1, 5:] = 0
-    eager = tiny("bert")
-    eager.set_attn_implementation("eager")
-    modern = ModernBertForMaskedLM(ModernBertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
-                                                    num_attention_heads=2, intermediate_size=64, pad_token_id=0,
-                                                    bos_token_id=1, eos_token_id=2, cls_token_id=1,
-                                                    sep_token_id=2))
-    assert modern.config._attn_implementation == "sdpa"
-    assert padding_mask_4d(eager, mask) is mask and padding_mask_4d(modern, mask) is mask
-    assert padding_mask_4d(tiny("bert"), mask).shape == (2, 1, 8, 8)
+    padded = mask.clone()
+    padded[1, 5:] = 0
+    got, unpadded = (model_mask(model, m, p, net.looks_for_padding) for m, p in ((padded, True), (mask, False)))
+    assert net.looks_for_padding is (kind == "deberta-v2")
+    if kind == "deberta-v2":
+        assert got is padded and unpadded is mask
+    elif attention == "eager":
+        assert got is padded and unpadded is None
+    elif kind == "modernbert":
+        assert set(got) == {"full_attention", "sliding_attention"} and unpadded is None
+    else:
+        assert got.shape == (2, 1, 8, 8) and unpadded is None
+
+
+def test_a_mask_of_ones_for_a_model_that_looks_for_padding_changes_nothing() -> None:
+    """DeBERTa given the 2-D mask of an unpadded batch: the same loss and gradients, bit for bit, as given none."""
+    from tests.test_fast_paths import loss_and_grads
+
+    net = MaskedLMLoss(tiny("deberta-v2").train())
+    b = {**batch(4), "padded": False}
+    b["attention_mask"] = torch.ones_like(b["attention_mask"])
+    torch.manual_seed(7)
+    with_ones = loss_and_grads(net, b)
+    net.looks_for_padding = False  # the mask left out, as for the other encoders
+    torch.manual_seed(7)
+    assert_same_bits(with_ones, loss_and_grads(net, b))
 
 
 def test_masked_only_head_never_builds_the_full_logits() -> None:

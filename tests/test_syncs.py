@@ -216,3 +216,29 @@ def test_a_padded_micro_batch_costs_no_wait_for_the_device(padded_counted: dict)
     assert all(padded.values()), f"a quiet step without a padded micro-batch proves nothing: {padded}"
     assert any(what.startswith("tolist loop/step.py") for what in steps[2]), "nothing counted: the modes saw no step"
     assert all(len(v) == SYNC_BUDGET for v in steps.values()), describe(steps)
+
+
+@pytest.mark.parametrize("kind", ["bert", "roberta", "distilbert", "electra", "albert", "modernbert", "deberta-v2"])
+@pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "padded"])
+def test_no_family_reads_its_attention_mask_back(kind: str, padded: bool) -> None:
+    """A forward and backward of each family's masked LM (sdpa; DeBERTa has its own attention) waits for
+    nothing, with padding or without (loading.model_mask). Before: ModernBERT 2 waits per padded batch
+    (transformers builds a full and a sliding-window mask from the 2-D one, each reading
+    `padding_mask.all()`), DeBERTa-v2 1 per unpadded batch (given no mask, transformers looks for padding
+    in the first and last ids). The 2-D mask of a padded BERT batch is counted, so the mode sees the read."""
+    from mlm_ddp.model.loading import MaskedLMLoss
+    from tests.test_model import batch, tiny
+
+    net = MaskedLMLoss(tiny(kind).train())
+    b = batch(3)
+    if not padded:
+        b["attention_mask"] = torch.ones_like(b["attention_mask"])
+    seen: list[str] = []
+    with CountSyncs(seen):
+        net(**b, padded=padded)[0].backward()
+    assert seen == [], seen
+    if kind == "bert" and padded:
+        with CountSyncs(seen), pytest.MonkeyPatch.context() as patch:
+            patch.setattr("mlm_ddp.model.loading.padding_mask_4d", lambda model, attention_mask: attention_mask)
+            net(**b, padded=True)[0].backward()
+        assert len(seen) == 1, seen

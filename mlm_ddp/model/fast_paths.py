@@ -34,6 +34,8 @@ def keep_mask(shape: torch.Size | tuple[int, ...], p: float, device: torch.devic
     n = math.prod(shape)
     words = torch.empty((n + 3) // 4, dtype=torch.int64, device=device).random_(-(2**63), None)
     threshold = round((1.0 - p) * DRAW_LEVELS) - DRAW_LEVELS // 2
+    if threshold >= DRAW_LEVELS // 2:  # p under 2^-17 keeps all; 2^15 compared as int16 would wrap and keep none
+        return torch.ones(shape, dtype=torch.bool, device=device)
     return (words.view(torch.int16)[:n] < threshold).view(shape)
 
 
@@ -67,9 +69,16 @@ def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: to
     if dropout == 0.0 or not draws16:
         return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling)
     scores = torch.matmul(query, key.transpose(-1, -2)) * scaling  # (B, h, Tq, Tk)
-    if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+    boolean = mask is not None and mask.dtype == torch.bool
+    if boolean:
+        # a finite fill: with -inf a query with nothing to attend (a padded one whose sliding window holds only
+        # padding) would be NaN, and its gradient would make every parameter's NaN; other rows are the same bits
+        scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+    elif mask is not None:
+        scores = scores + mask
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    if boolean:
+        probs = probs.masked_fill(~mask.any(-1, keepdim=True), 0.0)  # such a query attends to nothing, as in sdpa
     return torch.matmul(dropout16(probs, dropout), value)
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import inspect
 from collections.abc import Iterator
 from typing import Any
 
@@ -316,6 +317,7 @@ class MaskedLMLoss(torch.nn.Module):
         # the caller checked fast_paths.subset_unsupported; the subset needs the masked-only head
         self.last_layer_subset = last_layer_subset and self.masked_only
         self.draws16 = draws16
+        self.looks_for_padding = looks_for_padding_without_mask(model)
 
     def tie_weights(self) -> None:
         """Tie the model's shared parameters again. accelerate calls this on the module it prepares
@@ -328,14 +330,13 @@ class MaskedLMLoss(torch.nn.Module):
                 loss_slots: torch.Tensor | None = None, padded: bool = True) -> tuple[torch.Tensor, ...]:
         """The loss sums of a batch (B, T). The loss positions (positions.loss_layout) come from the
         collator, computed on the host; without them they are computed here (on a GPU: host syncs).
-        `padded` False (the collator saw no padding) passes no attention mask: transformers would read
-        the mask back to the host to find that out (`padding_mask.all()`), and skip it itself. A padded
-        batch passes the 4-D mask transformers would build (`padding_mask_4d`), for the same reason."""
+        `padded` False says the collator saw no padding; `model_mask` makes of the two the mask that
+        costs this model no read back to the host."""
         if loss_positions is None or loss_order is None or loss_slots is None:
             layout = loss_layout(labels != NO_LOSS)
             loss_positions, loss_order, loss_slots = (layout[key] for key in POSITION_KEYS)
         targets = labels.reshape(-1).index_select(0, loss_positions)  # (N,)
-        mask = padding_mask_4d(self.model, attention_mask) if padded else None
+        mask = model_mask(self.model, attention_mask, padded, self.looks_for_padding)
         if self.last_layer_subset:
             with fast_paths.last_layer_on(self.model, (loss_positions, loss_order, loss_slots), self.draws16):
                 hidden = self.model.base_model(input_ids=input_ids, attention_mask=mask)[0]  # (N, H)
@@ -348,23 +349,65 @@ class MaskedLMLoss(torch.nn.Module):
         return loss_sums(logits, targets)
 
 
-def padding_mask_4d(model: PreTrainedModel, attention_mask: torch.Tensor) -> torch.Tensor:
-    """`attention_mask` (B, T) as the 4-D boolean mask (B, 1, T, T) (True: attend) that transformers' sdpa
-    mask builder makes of it, where the model builds its mask there and transformers passes a 4-D mask
-    through as it is: then the builder never runs, nor its `padding_mask.all()`, a read back to the host
-    that drains the GPU queue on every padded micro-batch (DESIGN.md, pitfall 15). The same values, shape
-    and layout (contiguous) as the builder's, so sdpa gets the same input. Elsewhere the 2-D mask as it is:
-    eager attention wants an additive float mask, and a model with local (sliding-window) layers, such
-    as ModernBERT, builds a second mask from the same argument, which a 4-D one would bypass."""
+# transformers' ModernBertModel takes {layer type: 4-D mask} as it is, where it would build a full and a
+# sliding-window mask from the 2-D one; an encoder of one layer type takes the 4-D mask itself
+MASK_PER_LAYER_TYPE = ("modernbert",)
+
+
+def looks_for_padding_without_mask(model: PreTrainedModel) -> bool:
+    """Whether the model, given no attention mask, looks for padding in the first and last ids
+    (transformers' `warn_if_padding_and_no_attention_mask`: DeBERTa, Megatron-BERT, RoFormer...), a read
+    back to the host on every batch. Read from its encoder's forward, once."""
+    try:
+        source = inspect.getsource(type(model.base_model).forward)
+    except (OSError, TypeError):  # no source at hand: as most encoders, it does not look
+        return False
+    return "warn_if_padding_and_no_attention_mask" in source
+
+
+def model_mask(model: PreTrainedModel, attention_mask: torch.Tensor, padded: bool, looks_for_padding: bool
+               ) -> torch.Tensor | dict[str, torch.Tensor] | None:
+    """What the model gets for `attention_mask` (B, T), so that its mask costs no read back to the host,
+    a wait that drains the GPU queue (DESIGN.md, pitfall 15). A padded batch: `padding_mask_4d`. Else no
+    mask (transformers' builder would read `padding_mask.all()` to find it all ones, then drop it), unless
+    the model then looks for padding in the ids (`looks_for_padding_without_mask`): the 2-D mask of ones,
+    which it would assume."""
+    if padded:
+        return padding_mask_4d(model, attention_mask)
+    return attention_mask if looks_for_padding else None
+
+
+def padding_mask_4d(model: PreTrainedModel, attention_mask: torch.Tensor
+                    ) -> torch.Tensor | dict[str, torch.Tensor]:
+    """`attention_mask` (B, T) as transformers' sdpa mask builder makes it, where the model takes the built
+    mask in place of the 2-D one (transformers passes it through as it is): then the builder never runs in
+    the forward, nor its `padding_mask.all()`, a read back to the host on every padded micro-batch. The same
+    values, shape and layout as the builder's, so sdpa gets the same input:
+    - full attention: the 4-D boolean mask (B, 1, T, T) (True: attend);
+    - ModernBERT (MASK_PER_LAYER_TYPE): {layer type: (B, 1, T, T)}, each made by transformers' own builder for
+      that type (the sliding window's too), told not to look for a mask it could skip.
+    Elsewhere the 2-D mask as it is: eager attention wants an additive float mask in the dtype of the
+    embeddings' output, known only inside the forward; a decoder's mask is causal."""
     config = model.config
-    full_attention = (not getattr(config, "is_decoder", False) and getattr(config, "local_attention", None) is None
-                      and getattr(config, "sliding_window", None) is None
-                      and set(getattr(config, "layer_types", None) or ["full_attention"]) == {"full_attention"})
-    if not (full_attention and fast_paths.transformers_major() >= 5
-            and getattr(model, "_supports_attention_backend", False)
-            and getattr(config, "_attn_implementation", None) in ("sdpa", fast_paths.ATTENTION_DROPOUT16)):
+    attention = getattr(config, "_attn_implementation", None)
+    layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
+    if (fast_paths.transformers_major() < 5 or getattr(config, "is_decoder", False)
+            or attention not in ("sdpa", fast_paths.ATTENTION_DROPOUT16)
+            or not getattr(model, "_supports_attention_backend", False)):
         return attention_mask
     batch, seq = attention_mask.shape
+    if config.model_type in MASK_PER_LAYER_TYPE and layer_types <= {"full_attention", "sliding_attention"}:
+        from transformers.masking_utils import create_bidirectional_mask, create_bidirectional_sliding_window_mask
+
+        builders = {"full_attention": create_bidirectional_mask,
+                    "sliding_attention": create_bidirectional_sliding_window_mask}
+        # the builders read the batch, length, device (and eager's dtype) off the embeddings: (B, T, 0)
+        shape = attention_mask.new_empty((batch, seq, 0), dtype=torch.float32)
+        return {kind: builders[kind](config=config, inputs_embeds=shape, attention_mask=attention_mask,
+                                     allow_is_bidirectional_skip=False) for kind in sorted(layer_types)}
+    if (layer_types != {"full_attention"} or getattr(config, "local_attention", None) is not None
+            or getattr(config, "sliding_window", None) is not None):
+        return attention_mask
     return attention_mask.bool()[:, None, None, :].expand(batch, 1, seq, seq).contiguous()  # (B, 1, T, T)
 
 

@@ -98,7 +98,7 @@ def test_a_padded_batch_gets_the_2d_masks_loss(request: pytest.FixtureRequest) -
     for precision in ["no", *gpu_precisions()]:
         dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(precision)
         roundoff = {"fp16": 2.0**-11, "bf16": 2.0**-8}.get(precision, 2.0**-24)
-        for kind in ("bert", "roberta"):
+        for kind in ("bert", "roberta", "modernbert"):  # ModernBERT: a mask per layer type
             for subset in (False, True):
                 with torch.autocast(device(), dtype=dtype, enabled=dtype is not None):
                     (stats4, grads4), (stats2, grads2) = padded_loss_with_both_masks(kind, "sdpa", subset, device())
