@@ -54,6 +54,26 @@ def test_each_family_trains(family: str, family_models: dict[str, Path], corpus:
     train_and_check(family_models[family], corpus, tmp_path / "run")
 
 
+def test_modernbert_with_attention_dropout_trains_line_by_line(tiny_model: Path, corpus: dict, tmp_path: Path) -> None:
+    """Sliding-window layers (window 8 under the 64 tokens) with attention dropout, on the CPU's 16-bit draws,
+    every batch padded: a padded query whose window holds only padding attends to nothing. Before: NaN at
+    the first step (its softmax over nothing), and the run stopped."""
+    from transformers import ModernBertConfig, ModernBertForMaskedLM
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    model = tmp_path / "modernbert"
+    tokenizer.save_pretrained(model)
+    special = dict(pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.cls_token_id,
+                   eos_token_id=tokenizer.sep_token_id, cls_token_id=tokenizer.cls_token_id,
+                   sep_token_id=tokenizer.sep_token_id)
+    torch.manual_seed(0)
+    ModernBertForMaskedLM(ModernBertConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=3,
+                                           num_attention_heads=2, intermediate_size=64, local_attention=8,
+                                           attention_dropout=0.1, **special)).save_pretrained(model)
+    train_and_check(model, corpus, tmp_path / "run", "--line_by_line", "--max_seq_length", "64",
+                    "--dropout_draws", "16bit")
+
+
 @pytest.mark.parametrize("whole_words", [False, True], ids=["tokens", "whole_words"])
 def test_a_byte_level_bpe_tokenizer_trains(tiny_bpe_model: Path, corpus: dict, tmp_path: Path,
                                            whole_words: bool) -> None:
