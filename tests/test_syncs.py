@@ -242,3 +242,25 @@ def test_no_family_reads_its_attention_mask_back(kind: str, padded: bool) -> Non
             patch.setattr("mlm_ddp.model.loading.padding_mask_4d", lambda model, attention_mask: attention_mask)
             net(**b, padded=True)[0].backward()
         assert len(seen) == 1, seen
+
+
+def test_fsdp2_waits_for_the_device_once_per_optimizer_step_too(tiny_model: Path, corpus: dict,
+                                                                tmp_path: Path) -> None:
+    """FSDP2 on two CPU processes: fused AdamW skips a non-finite update on the device with DTensor parameters
+    too (its norm, a replicated DTensor, read as a plain tensor). Before: the norm's finiteness was read back
+    before every update, a second wait per step."""
+    import json
+
+    from tests.conftest import run_module
+    from tests.test_fsdp import FSDP_ENV, launch
+
+    counts = tmp_path / "waits"
+    proc = run_module(launch("fsdp.yaml", tiny_model, corpus, tmp_path / "run", "--max_train_steps", str(STEPS),
+                             "--gradient_accumulation_steps", "2", "--logging_steps", "1000",
+                             module=("tests.sync_driver", str(counts))), env=FSDP_ENV)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for rank in (0, 1):
+        steps = {int(step): v for step, v in json.loads((counts / f"waits-{rank}.json").read_text()).items()}
+        print(f"FSDP2 rank {rank}: {describe(steps)}")
+        assert any(what.startswith("tolist loop/step.py") for what in steps[2]), "nothing counted"
+        assert all(len(v) == SYNC_BUDGET for v in steps.values()), describe(steps)

@@ -86,13 +86,12 @@ def forward_backward(accelerator: Accelerator, model: torch.nn.Module, window: l
 
 def skips_on_device(accelerator: Accelerator, optimizer: torch.optim.Optimizer) -> bool:
     """Whether a non-finite update can be skipped without reading the norm back: a fused AdamW (it takes
-    `found_inf`), no gradient scaler (which sets its own), parameters not sharded (FSDP's are DTensors)."""
-    from mlm_ddp.cluster.collectives import sharded
-
+    `found_inf`) and no gradient scaler (which sets its own). FSDP2's DTensor parameters too: DTensor runs
+    the fused kernel on each shard and replicates the scalar `found_inf` (since torch 2.4, pytorch#126750,
+    the project's floor); every rank gets the same flag, from the whole gradient's norm."""
     inner = getattr(optimizer, "optimizer", optimizer)
     # recent torch makes AdamW an Adam, older releases a class of its own: both read found_inf when fused
     return (accelerator.scaler is None and isinstance(inner, (torch.optim.Adam, torch.optim.AdamW))
-            and not sharded(accelerator)
             and all(group.get("fused") for group in inner.param_groups))
 
 
@@ -148,6 +147,9 @@ def train_step(accelerator: Accelerator, model: torch.nn.Module, optimizer: torc
     elif skips_on_device(accelerator, optimizer):
         # fused AdamW leaves the parameters and its state as they are when `found_inf` is set (what a gradient
         # scaler gives it): the decision stays on the device, and nothing is read back here
+        # under FSDP2 the norm is a DTensor: the whole norm as a plain tensor, the same on every rank (no host
+        # sync: a replicated one's local value, or an all-reduce of a partial one)
+        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
         finite = torch.isfinite(norm)
         optimizer.optimizer.found_inf = (~finite).float()
         try:
