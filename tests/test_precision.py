@@ -219,8 +219,11 @@ def test_a_nan_loss_skips_the_update_then_stops_or_is_counted(precision: str, im
     assert judged is not None and not judged.overflow and not changed
     skips = skipped_steps(mode, accelerator)
     if mode == "stop":
-        with pytest.raises(NonFiniteLoss, match="step 1: the gradient norm is nan"):
+        with pytest.raises(NonFiniteLoss, match="step 1: the gradient norm is nan.*before any update, so not the "
+                                                "learning rate: check the model"):
             skips(0, judged)
+        with pytest.raises(NonFiniteLoss, match="step 5: the gradient norm is nan.*Lower --learning_rate"):
+            skips(4, judged)  # after updates
     else:
         skips(0, judged)
         assert skips.reported() == {"nonfinite": 1, "overflow": 0}

@@ -250,8 +250,11 @@ class SkippedSteps:
                           "(--on_nonfinite_loss skip skips a step now and then, not a run that no longer trains)",
                           "Lower --learning_rate or check the data and the model's weights")
         else:
+            # the first step's gradients come from the weights loaded and the data alone: no rate has acted yet
             self.stop(step, f"the gradient norm is {result.grad_norm.item()} (loss or gradients NaN/inf)",
-                      "Lower --learning_rate, check the data, or pass --on_nonfinite_loss skip")
+                      "Lower --learning_rate, check the data, or pass --on_nonfinite_loss skip" if step > 0 else
+                      "It was the first step, before any update, so not the learning rate: check the model (its "
+                      "weights, --config_overrides, --attn_implementation) and the data")
 
     def stop(self, step: int, what: str, fix: str) -> None:
         """Raise NonFiniteLoss for `step`, naming the newest checkpoint."""
