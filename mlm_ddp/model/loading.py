@@ -382,33 +382,30 @@ def padding_mask_4d(model: PreTrainedModel, attention_mask: torch.Tensor
     """`attention_mask` (B, T) as transformers' sdpa mask builder makes it, where the model takes the built
     mask in place of the 2-D one (transformers passes it through as it is): then the builder never runs in
     the forward, nor its `padding_mask.all()`, a read back to the host on every padded micro-batch. The same
-    values, shape and layout as the builder's, so sdpa gets the same input:
+    values, shape and layout as the builder's, since transformers' own builder makes it, told not to look for
+    a mask it could skip, so sdpa gets the same input:
     - full attention: the 4-D boolean mask (B, 1, T, T) (True: attend);
-    - ModernBERT (MASK_PER_LAYER_TYPE): {layer type: (B, 1, T, T)}, each made by transformers' own builder for
-      that type (the sliding window's too), told not to look for a mask it could skip.
+    - ModernBERT (MASK_PER_LAYER_TYPE): {layer type: (B, 1, T, T)}, the sliding window's too.
     Elsewhere the 2-D mask as it is: eager attention wants an additive float mask in the dtype of the
     embeddings' output, known only inside the forward; a decoder's mask is causal."""
     config = model.config
-    attention = getattr(config, "_attn_implementation", None)
     layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
-    if (fast_paths.transformers_major() < 5 or getattr(config, "is_decoder", False)
-            or attention not in ("sdpa", fast_paths.ATTENTION_DROPOUT16)
+    per_type = config.model_type in MASK_PER_LAYER_TYPE and layer_types <= {"full_attention", "sliding_attention"}
+    one_type = (layer_types == {"full_attention"} and getattr(config, "local_attention", None) is None
+                and getattr(config, "sliding_window", None) is None)
+    if (fast_paths.transformers_major() < 5 or getattr(config, "is_decoder", False) or not (per_type or one_type)
+            or getattr(config, "_attn_implementation", None) not in ("sdpa", fast_paths.ATTENTION_DROPOUT16)
             or not getattr(model, "_supports_attention_backend", False)):
         return attention_mask
-    batch, seq = attention_mask.shape
-    if config.model_type in MASK_PER_LAYER_TYPE and layer_types <= {"full_attention", "sliding_attention"}:
-        from transformers.masking_utils import create_bidirectional_mask, create_bidirectional_sliding_window_mask
+    from transformers.masking_utils import create_bidirectional_mask, create_bidirectional_sliding_window_mask
 
-        builders = {"full_attention": create_bidirectional_mask,
-                    "sliding_attention": create_bidirectional_sliding_window_mask}
-        # the builders read the batch, length, device (and eager's dtype) off the embeddings: (B, T, 0)
-        shape = attention_mask.new_empty((batch, seq, 0), dtype=torch.float32)
-        return {kind: builders[kind](config=config, inputs_embeds=shape, attention_mask=attention_mask,
-                                     allow_is_bidirectional_skip=False) for kind in sorted(layer_types)}
-    if (layer_types != {"full_attention"} or getattr(config, "local_attention", None) is not None
-            or getattr(config, "sliding_window", None) is not None):
-        return attention_mask
-    return attention_mask.bool()[:, None, None, :].expand(batch, 1, seq, seq).contiguous()  # (B, 1, T, T)
+    builders = {"full_attention": create_bidirectional_mask,
+                "sliding_attention": create_bidirectional_sliding_window_mask}
+    # the builders read the batch, length, device (and eager's dtype) off the embeddings: (B, T, 0)
+    shape = attention_mask.new_empty((*attention_mask.shape, 0), dtype=torch.float32)
+    masks = {kind: builders[kind](config=config, inputs_embeds=shape, attention_mask=attention_mask,
+                                  allow_is_bidirectional_skip=False) for kind in sorted(layer_types)}
+    return masks if per_type else masks["full_attention"]  # each (B, 1, T, T)
 
 
 def flat_rows(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
