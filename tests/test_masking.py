@@ -62,10 +62,34 @@ def test_the_collator_gives_the_loss_positions_the_model_would_find_itself() -> 
         assert torch.equal(batch[key], value), key
     assert torch.equal(batch["labels"].reshape(-1)[batch["loss_positions"]], batch["labels"][selected])
     order, slots = batch["loss_order"], batch["loss_slots"]
-    assert order.shape == (8, max(1, int(selected.sum(1).max())))
+    assert order.shape == (8, 16)  # the most masked in a row (9 to 16 at this seed), rounded up to 8's
+    assert 8 < int(selected.sum(1).max()) <= 16
     assert torch.equal(order.reshape(-1)[slots] + torch.arange(8).repeat_interleave(selected.sum(1)) * 64,
                        batch["loss_positions"])
     assert batch["padded"] is True and collator(seed=3)(blocks(8, 64))["padded"] is False
+
+
+def test_the_loss_layout_gathers_exactly_the_selected_positions_at_few_widths() -> None:
+    """Any selection (B, T), T under and over WIDTH_MULTIPLE, rows with none selected: the gathered slots
+    are x[selected] in order; the width is the most selected in a row rounded up to the multiple, never
+    past T, never 0, so that a run's attention meets few query lengths."""
+    from mlm_ddp.model.positions import WIDTH_MULTIPLE, loss_layout
+
+    generator = torch.Generator().manual_seed(0)
+    for case in range(200):
+        b, t = int(torch.randint(1, 6, (1,), generator=generator)), int(torch.randint(1, 40, (1,), generator=generator))
+        selected = torch.rand(b, t, generator=generator) < float(torch.rand(1, generator=generator))
+        x = torch.arange(b * t).reshape(b, t)
+        layout = loss_layout(selected)
+        order, slots, positions = layout["loss_order"], layout["loss_slots"], layout["loss_positions"]
+        most = int(selected.sum(1).max())
+        width = order.shape[1]
+        assert order.shape[0] == b and width >= max(1, most) and width <= max(1, t), (case, b, t, most, width)
+        assert width % WIDTH_MULTIPLE == 0 or width == t or width == 1, (case, t, most, width)
+        assert width < most + WIDTH_MULTIPLE or most == 0, (case, most, width)
+        assert torch.equal(x.gather(1, order).reshape(-1)[slots], x[selected]), case
+        assert torch.equal(x.reshape(-1)[positions], x[selected]), case
+        assert len(set(order[0].tolist())) == width  # distinct positions: no row reads one twice
 
 
 def test_masks_are_deterministic_per_seed_epoch_and_content() -> None:

@@ -9,19 +9,26 @@ from __future__ import annotations
 import torch
 
 KEYS = ("loss_positions", "loss_order", "loss_slots")
+# loss_order's width M is rounded up to a multiple of this (at most T). M is the query length of the last
+# layer's attention on the masked positions; an exact M changes with every batch (the most masked tokens in a
+# row), and each new length costs CUDA a new attention plan: on an H200 a MiniLM step of ~30 ms took up to
+# 210 ms where its M was new. Rounded, a run meets 2-3 lengths, each once, and the tensor cores get multiples
+# of 8. The extra slots are real positions whose results are dropped, as the short rows' are already.
+WIDTH_MULTIPLE = 8
 
 
 def loss_layout(selected: torch.Tensor) -> dict[str, torch.Tensor]:
     """For `selected` (B, T), the positions that carry a loss:
 
     - loss_positions (N,): their indices in the flattened (B*T,), row-major (the order of x[selected]);
-    - loss_order (B, M): each row's positions, those selected first in their order, cut to M, the most
-      any row has (at least 1, so that no shape is empty);
+    - loss_order (B, M): each row's positions, those selected first in their order, cut to M: the most
+      any row has, rounded up to a multiple of WIDTH_MULTIPLE, at most T (at least 1: no shape is empty);
     - loss_slots (N,): the indices in the flattened (B*M,) of loss_order's slots that are selected,
       row-major (so x.gather(order)[slots] is x[selected]).
     """
     counts = selected.sum(dim=1)  # (B,)
-    width = max(1, int(counts.max())) if selected.numel() else 1
+    most = int(counts.max()) if selected.numel() else 0
+    width = max(1, min(selected.shape[1], -(-most // WIDTH_MULTIPLE) * WIDTH_MULTIPLE))
     order = torch.argsort((~selected).to(torch.int8), dim=1, stable=True)[:, :width]  # (B, M)
     valid = torch.arange(width, device=selected.device)[None, :] < counts[:, None]  # (B, M)
     return {"loss_positions": selected.reshape(-1).nonzero().squeeze(1), "loss_order": order,
