@@ -10,10 +10,11 @@ import torch
 
 KEYS = ("loss_positions", "loss_order", "loss_slots")
 # loss_order's width M is rounded up to a multiple of this (at most T). M is the query length of the last
-# layer's attention on the masked positions; an exact M changes with every batch (the most masked tokens in a
-# row), and each new length costs CUDA a new attention plan: on an H200 a MiniLM step of ~30 ms took up to
-# 210 ms where its M was new. Rounded, a run meets 2-3 lengths, each once, and the tensor cores get multiples
-# of 8. The extra slots are real positions whose results are dropped, as the short rows' are already.
+# layer's attention on the masked positions (fast_paths.subset_forward). Exact, it changes with the batch (the
+# most masked tokens in a row), and CUDA's cuDNN attention builds a plan for each length it meets: on an H200,
+# MiniLM 32 x 128 met 10 lengths in 150 steps, and each first meeting made a ~20 ms step take 114-170 ms
+# (none with cuDNN's attention switched off). Rounded, the run met 3 lengths. The extra slots are real
+# positions whose results are dropped, as the short rows' are already.
 WIDTH_MULTIPLE = 8
 
 

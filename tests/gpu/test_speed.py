@@ -4,10 +4,9 @@ transformers' own run_mlm_no_trainer.py, each timed from inside its run.
 No test asserts a speed that noise could flip. What they assert: the figures exist and are finite, the
 FLOPs arithmetic (the masked-only head computes less per token), MFU and memory that a real device can
 have, and each run did the steps it was timed over. One speed claim is asserted, on a GPU only: mlm_ddp's
-step faster than the HF recipe's on BERT-base, where it computes about a quarter fewer FLOPs per token
-(median ratio above 1; no margin yet: none has been measured, and the test prints the ratio and each
-recipe's spread over the repeats to set one). At MiniLM 32 x 128, launch-bound, the host work per step is
-about equal (2.3 ms and 2.0 ms for the two collators), so the bench's ratio and the side-by-side's
+step at least RATIO_FLOOR times as fast as the HF recipe's on BERT-base, where it computes about a quarter
+fewer FLOPs per token (the margin is measured: see RATIO_FLOOR). At MiniLM 32 x 128 kernel launches and host
+work set the pace of both recipes (0.98x on an H200), so the bench's ratio and the side-by-side's
 (mlm_ddp.train against run_mlm_no_trainer.py) are reported, never asserted. Each test prints its figures
 beside public anchors, for docs/performance.md.
 """
@@ -36,6 +35,11 @@ VOCAB_SIZE = 30522  # the encoders' WordPiece vocabulary: the width of the HF re
 # Published figures to read ours against (none is asserted: other GPUs, models and recipes)
 ANCHORS = ("anchors: NVIDIA's BERT ~73k tokens/s (BERT-large, seq 128, A100); MosaicBERT ~170k tokens/s "
            "(base, seq 512, A100); dense bf16 matmul on an H100 ~800 TFLOP/s")
+
+# BERT-base, (b)/(a) at least this (medians of 3 repeats). Measured on an H200 (docs/gpu.md, Figures): 1.30x
+# at seq 128 and 1.40x at seq 512, 1/0.77 = 1.30x being what the FLOPs alone give; the slowest (b) repeat
+# against the fastest (a) one gave 1.19x and 1.24x. The floor sits below both.
+RATIO_FLOOR = 1.15
 
 # bench sizes on the GPU: 32k tokens per step at both lengths, as the BERT pre-training recipes use per
 # device. (a)'s full-vocabulary logits are then 32,768 x 30,522 = 1.0e9 values: 2 GiB in bf16, 4 GiB
@@ -132,9 +136,9 @@ def test_bert_base_throughput_against_the_hf_recipe(request: pytest.FixtureReque
             check_on_device(result)
             hf, ours = result["hf"]["peak_memory_bytes"], result["mlm_ddp"]["peak_memory_bytes"]
             assert hf - ours >= logits, f"(a) {hf / 2**30:.2f} GiB, (b) {ours / 2**30:.2f} GiB"
-            # 20-25% fewer FLOPs, the fused optimizer and no logits traffic. No margin above 1 until a GPU has
-            # measured the ratio and the repeats' spread (printed above): docs/gpu.md, "A first GPU run"
-            assert result["ratio"] > 1, f"(b)/(a) = {result['ratio']:.2f}"
+            # 20-25% fewer FLOPs, the fused optimizer and no logits traffic
+            assert result["ratio"] > RATIO_FLOOR, (f"(b)/(a) = {result['ratio']:.2f}, under {RATIO_FLOOR}: mlm_ddp's "
+                                                   "step lost its lead on BERT-base (docs/gpu.md, Figures)")
     print(ANCHORS)
 
 
