@@ -245,3 +245,14 @@ def test_neobert_and_keep_all_splits_are_accepted() -> None:
     assert (data.mlm_probability, data.eval_mlm_probability, data.mask_replace_prob, data.random_replace_prob) == (
         0.2, 0.15, 1.0, 0.0)
     assert parse_args(["--mask_replace_prob", "0.7", "--random_replace_prob", "0.3"]).data.random_replace_prob == 0.3
+
+
+@pytest.mark.parametrize("bad", [VOCAB, VOCAB + 7, -1])
+def test_a_token_id_outside_the_vocabulary_is_refused_by_name(bad: int) -> None:
+    """Data tokenized with another tokenizer: the collator names the id, before the model's embedding
+    would index past its table (on a GPU a device-side assert that names nothing)."""
+    examples = blocks(3, 16)
+    examples[1]["input_ids"][5] = bad
+    with pytest.raises(BadInput, match=rf"token id {bad} is outside the tokenizer's {VOCAB} ids: the data was "
+                                       "tokenized with another tokenizer"):
+        collator()(examples)
