@@ -32,7 +32,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -60,6 +60,9 @@ from mlm_ddp.model.loading import (
 )
 
 PRECISIONS = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}  # bench name -> Accelerator(mixed_precision=)
+# On an H200 (docs/gpu.md, Figures) (b)'s first steps each met a new last-layer query length (2-3 in a run,
+# rounded to 8's), and each first meeting took ~150 ms for cuDNN's attention plan against ~20-30 ms a step
+GPU_WARMUP = 10
 
 
 @dataclass
@@ -75,7 +78,9 @@ class BenchConfig:
     random_init: bool = _doc("Initialise the model from its config instead of loading weights.", default=False)
     steps: int = _doc("Timed optimizer steps of each recipe per repeat.", default=2)
     repeats: int = _doc("Alternations of (a) and (b); the median and spread are over these.", default=3)
-    warmup: int = _doc("Untimed steps of each recipe first (allocator, kernels, compilation).", default=1)
+    warmup: int | None = _doc(
+        "Untimed steps of each recipe first (allocator, kernels, compilation, and on a GPU the cuDNN attention plan "
+        "of each of (b)'s last-layer query lengths, ~150 ms each); default 10 on a GPU, 1 on a CPU.", default=None)
     seq: int = _doc("Tokens per block.", default=128)
     batch: int = _doc("Blocks per optimizer step.", default=32)
     precision: Literal["fp32", "bf16", "fp16"] = _doc("Precision of both recipes (autocast).", default="fp32")
@@ -97,7 +102,7 @@ class BenchConfig:
         for name in ("steps", "repeats", "seq", "batch", "eval_blocks"):
             if getattr(self, name) < 1:
                 raise BadInput(f"--{name} must be at least 1, got {getattr(self, name)}")
-        if self.warmup < 0:
+        if self.warmup is not None and self.warmup < 0:
             raise BadInput(f"--warmup must be >= 0, got {self.warmup}")
 
 
@@ -220,6 +225,8 @@ def bench(cfg: BenchConfig) -> dict[str, Any]:
     if cfg.precision == "fp16" and not cuda:
         raise BadInput("--precision fp16 needs a CUDA GPU (on a CPU accelerate would run fp32): use bf16 or fp32")
     accelerator = Accelerator(cpu=not cuda, mixed_precision=PRECISIONS[cfg.precision])
+    if cfg.warmup is None:  # a GPU's first steps meet what a CPU's do not (the --warmup help)
+        cfg = replace(cfg, warmup=GPU_WARMUP if cuda else 1)
     device = accelerator.device
     if device.type == "cpu":
         torch.set_num_threads(distributed.usable_cores())
