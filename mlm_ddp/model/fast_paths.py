@@ -163,8 +163,9 @@ def subset_forward(layer: torch.nn.Module, positions: tuple[torch.Tensor, torch.
                    **__: Any) -> torch.Tensor:
     """A BERT-style layer's forward, (B, T, H) -> (N, H) for the N loss positions of (B, T), in row-major
     order. `positions` is positions.loss_layout's (loss_positions (N,), loss_order (B, M), loss_slots (N,)):
-    each row's loss positions gathered first, padded to the row with the most (at least 1, so that shapes
-    stay non-empty and every parameter stays in the graph); the padding slots are real positions whose
+    each row's loss positions gathered first, padded to the row with the most, rounded up to a multiple of
+    positions.WIDTH_MULTIPLE (at least 1, so that shapes stay non-empty and every parameter stays in the
+    graph); the padding slots are real positions whose
     results are dropped. Every shape is known from the indices' shapes: nothing is read back to the host."""
     attention = layer.attention.self
     batch, seq, hidden = hidden_states.shape
