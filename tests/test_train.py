@@ -101,6 +101,19 @@ def test_accumulation_equals_a_bigger_batch(tiny_model: Path, corpus: dict, tmp_
     assert a[6] < a[1]
 
 
+def test_collating_in_worker_processes_trains_the_same_steps(tiny_model: Path, corpus: dict, tmp_path: Path) -> None:
+    """--dataloader_num_workers 2 (the collation off the training process, as a GPU run may want: docs/gpu.md,
+    Figures) trains exactly the run of 0 workers, dropout on: the same batches in the same order, masks seeded
+    per sample, and no draw of the training process's generator spent on the workers."""
+    losses = {}
+    for workers in (0, 2):
+        out = tmp_path / f"w{workers}"
+        train(parse_args(tiny_args(tiny_model, corpus, out, "--max_train_steps", "5",
+                                   "--dataloader_num_workers", str(workers))))
+        losses[workers] = train_losses(out)
+    assert sorted(losses[0]) == list(range(1, 6)) and losses[2] == losses[0]
+
+
 def test_streaming_whole_word_run(tiny_model: Path, corpus: dict, tmp_path: Path) -> None:
     from transformers import AutoTokenizer
 
