@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -28,8 +29,9 @@ from accelerate import Accelerator
 from accelerate.logging import get_logger
 from accelerate.utils import set_seed
 
+import mlm_ddp
 from mlm_ddp import data as mdata
-from mlm_ddp.cluster import collectives, precision, watchdog
+from mlm_ddp.cluster import collectives, generation, precision, watchdog
 from mlm_ddp.cluster import launcher as distributed
 from mlm_ddp.cluster.heartbeat import Beat, Heartbeat
 from mlm_ddp.config import Config, parse_args
@@ -383,8 +385,11 @@ def train(cfg: Config, hooks: Hooks | None = None) -> TrainResult:
     """Fine-tune as `cfg` says. Raises a `RunEnded` (errors.py) when the run ends otherwise:
     BadInput, Preempted (a stop signal: saved), NonFiniteLoss, CheckpointWriteError, AlreadyFinished."""
     started = time.perf_counter()
+    generation.die_with_agent(os.environ, mlm_ddp.STARTED_BY)  # no worker outlives its torchrun agent
     with ckpt.StopSignals(cfg.run.signal_names()) as stop, ExitStack() as on_exit:
-        run = build(cfg, preflight(cfg), hooks or Hooks())
+        checked = preflight(cfg)
+        stop.end_if_received()  # a SIGTERM during preflight: the launcher stops this start
+        run = build(cfg, checked, hooks or Hooks())
         # runs last: after the heartbeat stopped using the process group's store
         on_exit.push(functools.partial(collectives.tear_down_after, RunEnded, run.accelerator, run.wait))
         on_exit.callback(run.log.close)  # however the run ends, so that an error message starts a line of its own

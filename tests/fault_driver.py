@@ -19,13 +19,17 @@ production code's environment:
   final/ (under FSDP the others wait in the gather's collectives on the training group).
 - `--slow_load RANK:S`: rank RANK sleeps S seconds before it loads a checkpoint (a resume that reads a
   whole DDP checkpoint from a busy network filesystem), while the other ranks have loaded theirs.
-- `--kill RANK:STEP`: in the first attempt of a torchrun job only (TORCHELASTIC_RESTART_COUNT 0), rank RANK
-  kills itself with SIGKILL as its heartbeat enters the data phase of step STEP (a dead GPU, an OOM kill).
+- `--kill RANK:STEP`: once per job, rank RANK kills itself with SIGKILL as its heartbeat enters the data
+  phase of step STEP (a dead GPU, an OOM kill). Once: it leaves a mark beside the output folder first
+  (`OUTPUT_DIR.killed`), as a restart count cannot say: it is each torchrun agent's own, so the worker of
+  another node sees 0 after a restart.
 - `--kill_node STEP`: as `--kill`, on the process given this flag whatever its rank, and it kills its
   launcher (its parent: torchrun's agent) first, as a node that dies takes its agent with it; an elastic
   job then goes on without that node.
-- `--late RANK:S`: in a restarted attempt only (TORCHELASTIC_RESTART_COUNT above 0), rank RANK sleeps S
-  seconds before it starts (a node that comes back slowly).
+- `--late RANK:S`: once a `--kill` left its mark (in the job's restart), rank RANK sleeps S seconds before
+  it starts (a node that comes back slowly).
+- `--slow_preflight RANK:S`: rank RANK sleeps S seconds before its preflight (a node that reads its inputs
+  from a slow shared filesystem), while the others wait for it in the join.
 - `--spike STEP:FACTOR`: the first micro-batch of step STEP has its loss multiplied by FACTOR on every
   rank, once (a replay of that step after a rollback is not spiked again).
 
@@ -41,6 +45,7 @@ import signal
 import sys
 import threading
 import time
+from pathlib import Path
 
 
 def pause(seconds: float) -> None:
@@ -79,9 +84,10 @@ def attempt() -> int:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
-def kill_at(where: str, beat: Beat) -> None:
+def kill_at(where: str, mark: Path, beat: Beat) -> None:
     rank, step = map(int, where.split(":"))
-    if attempt() == 0 and (beat.rank, beat.step, beat.phase, beat.collective) == (rank, step, "data", None):
+    if not mark.exists() and (beat.rank, beat.step, beat.phase, beat.collective) == (rank, step, "data", None):
+        mark.touch()
         os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -113,6 +119,7 @@ def delay_on_rank(where: str, owner: object, name: str) -> None:
 
     @functools.wraps(original)
     def slow(*args: object, **kwargs: object) -> object:
+        print(f"fault_driver: rank {rank} delays {name} by {seconds} s", file=sys.stderr, flush=True)
         pause(float(seconds))
         return original(*args, **kwargs)
 
@@ -147,13 +154,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kill", metavar="RANK:STEP")
     parser.add_argument("--kill_node", metavar="STEP", type=int)
     parser.add_argument("--late", metavar="RANK:S")
+    parser.add_argument("--slow_preflight", metavar="RANK:S")
     faults, train_argv = parser.parse_known_args(argv)
-    if faults.late is not None and attempt() > 0 and os.environ.get("RANK") == faults.late.split(":")[0]:
+    killed = Path(train_argv[train_argv.index("--output_dir") + 1] + ".killed") if faults.kill else None
+    if faults.late is not None and killed and killed.exists() and os.environ.get("RANK") == faults.late.split(":")[0]:
         pause(float(faults.late.split(":")[1]))
     if faults.slow_shard_write is not None:
         from torch.distributed.checkpoint import FileSystemWriter
 
         delay_on_rank(faults.slow_shard_write, FileSystemWriter, "write_data")
+    if faults.slow_preflight is not None:
+        from mlm_ddp import train
+
+        delay_on_rank(faults.slow_preflight, train, "preflight")
     if faults.slow_eval_s is not None:
         slow_evaluations(faults.slow_eval_s)
     if faults.slow_final_s is not None:  # after final/ is saved, while the other ranks have finished
@@ -173,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     if faults.stick is not None:
         freeze = functools.partial(stick_at, faults.stick)
     if faults.kill is not None:
-        freeze = functools.partial(kill_at, faults.kill)
+        freeze = functools.partial(kill_at, faults.kill, killed)
     if faults.kill_node is not None:
         freeze = functools.partial(kill_node_at, faults.kill_node)
     spike = None if faults.spike is None else OneSpike(faults.spike)

@@ -1,18 +1,22 @@
-"""A torchrun restart is a resume (real torchrun, its elastic agent and its one store for every attempt):
-rank 1 is SIGKILLed in step 8; the agent restarts both workers, which resume from the checkpoint of step
-5 and end with the uninterrupted run's losses, also when rank 1 comes back 12 s late (past --ddp_timeout),
-and under `accelerate launch --max_restarts 1`.
+"""A torchrun restart is a resume (real torchrun, its elastic agents and the store they keep for every
+start). Two agents with `--nnodes 2` on this host are two nodes, as most GPU clusters run torchrun: the
+worker of rank 0 or of rank 1 is SIGKILLed in step 8; both agents restart their workers (the other one for
+the membership change, without counting it: the two new workers see restart counts 1 and 0), which resume
+from the checkpoint of step 5 and end with the uninterrupted run's losses, one restart round on each
+agent, also when a worker comes back 12 s late (past --ddp_timeout), with torch's own
+TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (a store per start, hosted by rank 0's worker), and under
+`accelerate launch --max_restarts 1`.
 
-And what a restart leaves in the store: attempt 0's keys are all there for attempt 1 (torchrun scopes
-none), so a start-up of ours that read them passed early or never matched. Here, on one real TCPStore
-played as the agent's: a partial attempt (rank 1 exits before it joins), then an elastic shrink to one
-process, which must start.
+And the start itself: what an earlier start leaves in the store (its generation, complete or not) is never
+joined, whatever restart count each worker sees; a worker waiting in the join ends at once on SIGTERM; no
+worker outlives its agent.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -20,49 +24,91 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import CONFIGS, LAUNCH, NO_DROPOUT, REPO, SAME_STEPS, free_port, tiny_args, train_losses
+from tests.conftest import CONFIGS, LAUNCH, NO_DROPOUT, REPO, SAME_STEPS, free_port, tiny_args, train_losses, wait_for
 
 STEPS, SAVED, KILLED = 10, 5, 8
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "LOGLEVEL": "INFO"}  # LOGLEVEL: the agents'
 
 
-def torchrun(args: list[str], restarts: int, log: Path, launcher: str = "torchrun") -> int:
-    """2 CPU processes of tests.fault_driver under torchrun, or under `accelerate launch` (which drives the
-    same elastic agent), with `restarts` restarts."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    port = str(free_port())
-    if launcher == "torchrun":
-        command = ["torch.distributed.run", "--nproc_per_node", "2", "--master_port", port]
-    else:
-        command = [*LAUNCH, "--config_file", str(CONFIGS / "cpu_ddp.yaml"), "--num_cpu_threads_per_process", "1",
-                   "--main_process_port", port]
+def accelerate_launch(args: list[str], restarts: int, log: Path) -> int:
+    """2 CPU processes of tests.fault_driver under `accelerate launch` (which drives torch's elastic agent)."""
+    command = [*LAUNCH, "--config_file", str(CONFIGS / "cpu_ddp.yaml"), "--num_cpu_threads_per_process", "1",
+               "--main_process_port", str(free_port())]
     with open(log, "w") as out:
         return subprocess.run([sys.executable, "-m", *command, "--max_restarts", str(restarts), "-m",
-                               "tests.fault_driver", *args], cwd=REPO, env=env, stdout=out,
+                               "tests.fault_driver", *args], cwd=REPO, env=ENV, stdout=out,
                               stderr=subprocess.STDOUT, timeout=600).returncode
+
+
+def two_nodes(args: list[str], logs: Path, env: dict[str, str] | None = None) -> list[int]:
+    """Two torchrun agents, one worker each (`--nnodes 2`, c10d rendezvous, one restart allowed); their
+    exit codes. Their logs: logs/node-0.log and node-1.log."""
+    port, codes = free_port(), []
+    agents = []
+    for node in range(2):
+        log = open(logs / f"node-{node}.log", "w")  # noqa: SIM115 - closed with the process
+        agents.append(subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1",
+             "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{port}", "--rdzv_id", "two-nodes",
+             "--max_restarts", "1", "-m", "tests.fault_driver", *args],
+            cwd=REPO, env={**ENV, **(env or {})}, stdout=log, stderr=subprocess.STDOUT))
+    for agent in agents:
+        try:
+            codes.append(agent.wait(timeout=300))
+        except subprocess.TimeoutExpired:
+            agent.kill()
+            codes.append(-1)
+    return codes
 
 
 def run_args(tiny_model: Path, corpus: dict, out: Path) -> list[str]:
     return tiny_args(tiny_model, corpus, out, "--max_train_steps", str(STEPS), "--checkpointing_steps", str(SAVED),
                      "--resume_from_checkpoint", "auto", "--ddp_timeout", "8", "--save_timeout", "30",
-                     "--per_device_train_batch_size", "4", "--cpu_threads", "1", "--report", "false",
-                     "--max_eval_samples", "16", *NO_DROPOUT)
+                     "--rendezvous_timeout", "60", "--per_device_train_batch_size", "4", "--cpu_threads", "1",
+                     "--report", "false", "--max_eval_samples", "16", *NO_DROPOUT)
 
 
 @pytest.fixture(scope="module")
 def straight(tiny_model: Path, corpus: dict, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The uninterrupted run, on two nodes."""
     out = tmp_path_factory.mktemp("restart") / "straight"
-    assert torchrun(run_args(tiny_model, corpus, out), 0, out.parent / "straight.log") == 0, \
-        (out.parent / "straight.log").read_text()[-3000:]
+    codes = two_nodes(run_args(tiny_model, corpus, out), out.parent)
+    assert codes == [0, 0], (out.parent / "node-0.log").read_text()[-3000:]
     return out
 
 
-@pytest.mark.parametrize(("late_s", "launcher"), [(0, "torchrun"), (12, "torchrun"), (0, "accelerate")])
-def test_a_rank_killed_mid_run_is_restarted_and_the_job_ends_with_the_uninterrupted_losses(
-        late_s: int, launcher: str, straight: Path, tiny_model: Path, corpus: dict, tmp_path: Path) -> None:
+def rounds(log: str) -> list[int]:
+    """The restart count of each rendezvous round an agent's log reports (LOGLEVEL=INFO)."""
+    return [int(n) for n in re.findall(r"\]\s+restart_count=(\d+)$", log, re.MULTILINE)]
+
+
+@pytest.mark.parametrize(("killed", "late", "shared"), [(0, None, True), (1, 0, True), (0, 1, False)],
+                         ids=["rank-0-killed", "rank-1-killed-rank-0-late", "rank-0-killed-store-per-start"])
+def test_a_worker_killed_on_either_node_restarts_both_and_the_job_ends_with_the_uninterrupted_losses(
+        killed: int, late: int | None, shared: bool, straight: Path, tiny_model: Path, corpus: dict,
+        tmp_path: Path) -> None:
     out = tmp_path / "run"
-    faults = ["--kill", f"1:{KILLED}"] + (["--late", f"1:{late_s}"] if late_s else [])
+    faults = ["--kill", f"{killed}:{KILLED}"] + ([] if late is None else ["--late", f"{late}:12"])
+    env = {} if shared else {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    codes = two_nodes([*faults, *run_args(tiny_model, corpus, out)], tmp_path, env)
+    logs = [(tmp_path / f"node-{node}.log").read_text() for node in range(2)]
+    assert codes == [0, 0], "\n=====\n".join(log[-3000:] for log in logs)
+    said = "\n".join(logs)
+    assert f"resumed from {out / 'checkpoints' / f'step-{SAVED:07d}'} at step {SAVED}" in said, said[-4000:]
+    # one restart: two rounds on each agent; the agent of the killed worker counts it (the other may too, when
+    # its own worker failed first, in the collective with the dead one, instead of being stopped for the round)
+    assert [len(rounds(log)) for log in logs] == [2, 2], [rounds(log) for log in logs]
+    assert max(max(rounds(log)) for log in logs) == 1
+    expected, got = train_losses(straight), train_losses(out)
+    assert sorted(got) == list(range(1, STEPS + 1))
+    assert max(abs(got[s] - expected[s]) / expected[s] for s in expected) <= SAME_STEPS
+
+
+def test_accelerate_launch_restarts_a_killed_rank_which_resumes(straight: Path, tiny_model: Path, corpus: dict,
+                                                                tmp_path: Path) -> None:
+    out = tmp_path / "run"
     log = tmp_path / "launcher.log"
-    code = torchrun([*faults, *run_args(tiny_model, corpus, out)], 1, log, launcher)
+    code = accelerate_launch(["--kill", f"1:{KILLED}", *run_args(tiny_model, corpus, out)], 1, log)
     said = log.read_text()
     assert code == 0, said[-4000:]
     assert f"resumed from {out / 'checkpoints' / f'step-{SAVED:07d}'} at step {SAVED}" in said, said[-4000:]
@@ -104,11 +150,13 @@ def test_a_node_lost_mid_run_shrinks_the_elastic_job_which_resumes_with_its_glob
 
 
 JOIN = """
-import os, sys
+import sys
 from mlm_ddp.cluster import collectives
 from mlm_ddp.cluster.launcher import detect
+from mlm_ddp.loop.checkpoint import StopSignals
 topo = detect(cuda_devices=0)
-wait, scope = collectives.join_process_group(topo, collectives.Timeouts(ddp=5, save=30, rendezvous=int(sys.argv[1])))
+with StopSignals(["SIGTERM"]):  # as train() holds them while it joins
+    wait, scope = collectives.join_process_group(topo, collectives.Timeouts(ddp=5, save=30, rendezvous=int(sys.argv[1])))
 print("joined", topo.world_size, scope, flush=True)
 # torn down as a run tears down (collectives.tear_down_after): left to the interpreter's exit, a gloo group's
 # threads can abort the process (SIGABRT, "terminate called without an active exception") after it joined
@@ -118,37 +166,89 @@ torch.distributed.destroy_process_group()
 """
 
 
-def join(rank: int, world: int, port: int, attempt: int, rendezvous_s: int) -> subprocess.Popen:
-    """One worker of an attempt, started as torchrun's agent starts it: on the agent's store (the test's)."""
-    env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
-           "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-           "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": str(attempt),
-           "OMP_NUM_THREADS": "1"}
+def join(rank: int, world: int, port: int, restarts: int, rendezvous_s: int) -> subprocess.Popen:
+    """One worker of a start, started as torchrun's agent starts it: on the agent's store (the test's), with
+    the restart count its own agent keeps."""
+    env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": "0", "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": "1",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "TORCHELASTIC_USE_AGENT_STORE": "True",
+           "TORCHELASTIC_RESTART_COUNT": str(restarts), "OMP_NUM_THREADS": "1"}
     return subprocess.Popen([sys.executable, "-c", JOIN, str(rendezvous_s)], cwd=REPO, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 
 
-def test_a_partial_attempt_then_an_elastic_shrink_starts_on_the_agents_store() -> None:
+def start(port: int, world: int, restarts: list[int], delays: list[float], rendezvous_s: int = 60) -> list[str]:
+    """One start of `world` workers on the agent's store, rank r started delays[r] s after rank 0 (negative:
+    before); each worker's output, once all have ended."""
+    order = sorted(range(world), key=lambda r: delays[r])
+    procs: dict[int, subprocess.Popen] = {}
+    began = time.monotonic()
+    for rank in order:
+        time.sleep(max(0.0, delays[rank] - delays[order[0]] - (time.monotonic() - began)))
+        procs[rank] = join(rank, world, port, restarts[rank], rendezvous_s)
+    return [procs[rank].communicate(timeout=120)[0] for rank in range(world)]
+
+
+def joined(lines: list[str], world: int) -> str:
+    """The scope every worker of one start joined (asserting they all joined the same)."""
+    scopes = {re.search(rf"joined {world} (mlm_ddp/\w+/)run-\w+/", line).group(1) for line in lines if "joined" in line}
+    assert sum("joined" in line for line in lines) == world and len(scopes) == 1, lines
+    return scopes.pop()
+
+
+def test_a_start_never_joins_what_an_earlier_start_left_in_the_store_whatever_the_restart_counts() -> None:
     from torch.distributed import TCPStore
 
     agent = TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False)
-    # attempt 0: two workers, rank 1 dies before it joins; rank 0 gives up after its rendezvous timeout
-    alone = join(0, 2, agent.port, 0, 4)
-    said = alone.communicate(timeout=120)[0]
-    assert alone.returncode != 0 and "not every process joined within 5 s" in said, said[-2000:]
-    # attempt 1: the agent shrinks the job to one worker, on the same store with attempt 0's keys in it
-    shrunk = join(0, 1, agent.port, 1, 4)
-    said = shrunk.communicate(timeout=120)[0]
-    assert shrunk.returncode == 0 and "joined 1 mlm_ddp/attempt-1/run-" in said, said[-2000:]
-    # attempt 2: both again, rank 1 8 s late: rank 0 waits for it, and neither reads an earlier attempt's
-    # addresses (torch names the gloo groups the same in every attempt)
-    late = [join(0, 2, agent.port, 2, 60)]
-    time.sleep(8)
-    late.append(join(1, 2, agent.port, 2, 60))
-    lines = [proc.communicate(timeout=120)[0] for proc in late]
-    assert [proc.returncode for proc in late] == [0, 0], lines
-    assert all("joined 2 mlm_ddp/attempt-2/run-" in line for line in lines), lines
-    assert len({line.split()[-1] for line in lines}) == 1, lines  # one run id, agreed by both
+    first = joined(start(agent.port, 2, [0, 0], [0, 0]), 2)
+    # a restart: the agents' counts differ (1 where the worker died, 0 on the other node), and rank 1 reads
+    # the complete first start's generation before rank 0 replaces it
+    second = joined(start(agent.port, 2, [1, 0], [0, -3]), 2)
+    # a start that never completes: rank 1 dies before it joins; rank 0 gives up after its rendezvous timeout
+    alone = join(0, 2, agent.port, 2, 4).communicate(timeout=120)[0]
+    assert "not every process joined within 5 s" in alone, alone[-2000:]
+    # the next start: rank 1 first, counted into that incomplete generation, rank 0 4 s late
+    third = joined(start(agent.port, 2, [3, 1], [0, -4]), 2)
+    # an elastic shrink to one worker
+    fourth = joined(start(agent.port, 1, [4], [0]), 1)
+    assert len({first, second, third, fourth}) == 4
+
+
+def test_a_worker_waiting_in_the_join_ends_at_once_on_sigterm() -> None:
+    from torch.distributed import TCPStore
+
+    agent = TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False)
+    worker = join(0, 2, agent.port, 0, 120)  # rank 1 never comes
+    wait_for(lambda: agent.check(["mlm_ddp/start"]), 60, "rank 0 to open the start")
+    sent = time.monotonic()
+    worker.send_signal(signal.SIGTERM)
+    output = worker.communicate(timeout=30)[0]
+    assert worker.returncode == -signal.SIGTERM and time.monotonic() - sent < 5, output[-2000:]
+
+
+def test_no_worker_outlives_its_agent(tiny_model: Path, corpus: dict, tmp_path: Path) -> None:
+    """A torchrun agent SIGKILLed (as a node's processes die) while rank 0 waits in the join and rank 1 is still
+    in its preflight: both workers end with it."""
+    import psutil
+    from torch.distributed import TCPStore
+
+    port = free_port()
+    args = [*run_args(tiny_model, corpus, tmp_path / "run"), "--rendezvous_timeout", "300"]
+    with open(tmp_path / "agent.log", "w") as log:
+        agent = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                                  "--master_port", str(port), "-m", "tests.fault_driver", "--slow_preflight", "1:300",
+                                  *args], cwd=REPO, env=ENV, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        store = TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False)
+        wait_for(lambda: store.check(["mlm_ddp/start"]), 120, "rank 0 to wait in the join")
+        wait_for(lambda: "rank 1 delays preflight" in (tmp_path / "agent.log").read_text(), 60, "rank 1's preflight")
+        workers = psutil.Process(agent.pid).children()
+        assert len(workers) == 2
+        agent.kill()
+        agent.wait(timeout=30)
+        gone, alive = psutil.wait_procs(workers, timeout=10)
+        assert not alive, f"{alive} outlived their agent: " + (tmp_path / "agent.log").read_text()[-3000:]
+    finally:
+        agent.kill()
 
 
 @pytest.mark.parametrize(("flags", "fix"), [

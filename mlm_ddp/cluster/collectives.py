@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from mlm_ddp.cluster import flight
+from mlm_ddp.cluster.generation import KEY_ROOT, agree_generation, stop_now_on
 from mlm_ddp.cluster.heartbeat import diagnose
 from mlm_ddp.cluster.launcher import Topology, check_accelerator, cpu_threads_per_process, detect, export_for_accelerate
 from mlm_ddp.cluster.precision import agree_precision, fsdp2_policy
@@ -184,12 +185,12 @@ class MainProcessWait:
 @dataclass
 class Started:
     """What `start_accelerator` made: the Accelerator, the job's precision, the long-timeout group in which
-    ranks wait for the main process, and this attempt's scope of the store (`join_process_group`)."""
+    ranks wait for the main process, and this run's scope of the store (`join_process_group`)."""
 
     accelerator: Any
     precision: tuple[str, str]
     wait: MainProcessWait
-    scope: str  # "mlm_ddp/attempt-N/run-ID/": this run's keys (the group's store is under "mlm_ddp/attempt-N/")
+    scope: str  # "mlm_ddp/GEN/run-ID/": this run's keys (the group's store is under "mlm_ddp/GEN/", GEN the start's)
 
 
 def start_accelerator(topo: Topology, fsdp_plugin: Any, training: Any, precision: tuple[str, str],
@@ -205,7 +206,7 @@ def start_accelerator(topo: Topology, fsdp_plugin: Any, training: Any, precision
     logger = get_logger(__name__)
     export_for_accelerate(topo)
     flight.configure(os.environ, output_dir)
-    wait, scope = MainProcessWait(1, timeouts.save), f"{KEY_ROOT}attempt-0/run-0/"
+    wait, scope = MainProcessWait(1, timeouts.save), f"{KEY_ROOT}alone/run-0/"
     if topo.distributed:
         # the process group first, as the Accelerator below would form it (it takes this one over), and the
         # start-up group, over which every rank's precision is gathered before the Accelerator fixes one
@@ -245,9 +246,6 @@ class Timeouts:
     rendezvous: int
 
 
-KEY_ROOT = "mlm_ddp/"  # every key mlm_ddp puts in a store starts with it, then the attempt's id
-
-
 def backend_for(topo: Topology, env: Mapping[str, str]) -> str:
     """The backend accelerate 1.15's PartialState would choose for this process group (which it takes over
     when one exists): gloo on CPU processes; on GPUs NCCL, with gloo beside it for CPU tensors where FSDP
@@ -261,20 +259,20 @@ def backend_for(topo: Topology, env: Mapping[str, str]) -> str:
 
 
 def join_process_group(topo: Topology, timeouts: Timeouts) -> tuple[MainProcessWait, str]:
-    """Form the process group (accelerate's PartialState takes it over) on a store scoped to this attempt,
-    and return once every process has joined it, waiting up to --rendezvous_timeout (or --ddp_timeout where
-    longer); then set its collectives and its store to --ddp_timeout. Returns the gloo group of the waits on
-    the main process (with --save_timeout from then on) and the attempt's scope.
+    """Form the process group (accelerate's PartialState takes it over) on a store scoped to this start of
+    the job, and return once every process has joined it, waiting up to --rendezvous_timeout (or --ddp_timeout
+    where longer); then set its collectives and its store to --ddp_timeout. Returns the gloo group of the waits
+    on the main process (with --save_timeout from then on) and the run's scope of the store.
 
-    torchrun's agent keeps one store for every restart attempt, with no prefix, and torch names the gloo
-    groups the same in every attempt (a count): a group formed in attempt 1 read attempt 0's addresses
-    and failed ("Connection refused"), and a key of ours found attempt 0's value. So the whole process
-    group, every group made from it and every key of ours live under `mlm_ddp/attempt-N/`
-    (TORCHELASTIC_RESTART_COUNT; 0 under srun and Submitit, whose store is new for every job step).
+    torchrun's agents keep one store for every start, with no prefix, and torch names the gloo groups the
+    same in every start (a count): a group formed in a restart read the dead workers' addresses. So the
+    whole process group, every group made from it and every key of ours live under `mlm_ddp/GEN/`, GEN the
+    generation every worker of this start agrees on first (generation.py; not TORCHELASTIC_RESTART_COUNT,
+    which differs between nodes).
 
     Each process loads and checks its inputs before it joins (preflight), and a node that imports from a
-    slow shared filesystem arrives minutes after the others: forming the gloo group is the barrier (each
-    rank connects to every other, NCCL jobs too), with that patient timeout."""
+    slow shared filesystem arrives minutes after the others: the join is the barrier, with that patient
+    timeout. While a process waits in it, SIGTERM and SIGINT end it at once (`stop_now_on`)."""
     import uuid
 
     import torch.distributed as dist
@@ -284,16 +282,18 @@ def join_process_group(topo: Topology, timeouts: Timeouts) -> tuple[MainProcessW
     # never shorter than before this flag existed: a user who raised --ddp_timeout for a slow start keeps it
     waited = max(timeouts.rendezvous, timeouts.ddp)
     patient = timedelta(seconds=waited)
-    scope = f"{KEY_ROOT}attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+    scope = f"{KEY_ROOT}kept/"  # a process that trains again keeps its group, as accelerate does
     try:
-        if not dist.is_initialized():  # else a process that trains again keeps its group, as accelerate does
-            store, rank, world = next(dist.rendezvous("env://", topo.rank, topo.world_size, timeout=patient))
-            dist.init_process_group(backend_for(topo, os.environ), store=dist.PrefixStore(scope, store), rank=rank,
-                                    world_size=world, timeout=patient)
-        PartialState(cpu=not topo.cuda_devices, timeout=patient)
-        wait = MainProcessWait(topo.world_size, waited)
-        # and a run of its own inside the attempt: a process that trains twice must not read its last keys
-        scope += f"run-{wait.broadcast(uuid.uuid4().hex[:12])}/"
+        with stop_now_on():
+            if not dist.is_initialized():
+                store, rank, world = next(dist.rendezvous("env://", topo.rank, topo.world_size, timeout=patient))
+                scope = f"{KEY_ROOT}{agree_generation(store, rank, world, waited)}/"
+                dist.init_process_group(backend_for(topo, os.environ), store=dist.PrefixStore(scope, store),
+                                         rank=rank, world_size=world, timeout=patient)
+            PartialState(cpu=not topo.cuda_devices, timeout=patient)
+            wait = MainProcessWait(topo.world_size, waited)
+            # and a run of its own inside the start: a process that trains twice must not read its last keys
+            scope += f"run-{wait.broadcast(uuid.uuid4().hex[:12])}/"
     except (dist.DistError, RuntimeError) as err:
         raise dist.DistError(f"not every process joined within {waited} s (--rendezvous_timeout, or --ddp_timeout "
                              f"where longer): {type(err).__name__}: {str(err).strip()[:200]}") from err

@@ -5,8 +5,8 @@ timeout, one line with the host, pid, phase and step of the rank that did not co
 
 How it judges, so that it cannot call a healthy job hung (DESIGN.md, pitfalls 17 and 19):
 - **Channel.** The process group's own key-value store (no client cache, unlike a shared filesystem),
-  which `collectives.join_process_group` scopes to the attempt: torchrun's agent keeps one store for every
-  restart attempt. Every call has a hard deadline (`StoreCalls`): under srun and Submitit rank
+  which `collectives.join_process_group` scopes to this start of the job (generation.py): torchrun's agents
+  keep one store for every restart. Every call has a hard deadline (`StoreCalls`): under srun and Submitit rank
   0's own process hosts the store, and a frozen host must be named, not waited on forever.
 - **Clock.** Only this rank's monotonic clock measures anything: how long it has waited since it entered
   the collective, and how long a peer's published numbers have stayed the same as seen from here.
@@ -405,7 +405,7 @@ def warning_record(output_dir: str | Path, rank: int, prog: str) -> Callable[[st
 def for_run(run: Any, topo: Any, output_dir: Path, world: int, scope: str, lost_contact: Callable[[Exception], str],
             exit_code: int) -> Watchdog | None:
     """The watchdog of a training run (`run`: its RunConfig's timeouts), on its own connection to the process
-    group's store (scoped to this attempt by `collectives.join_process_group`), its keys under `scope` (this
+    group's store (scoped to this start by `collectives.join_process_group`), its keys under `scope` (this
     run's); None alone. A hang it names ends the process with `exit_code`, after the Flight Recorder's dump."""
     from mlm_ddp.cluster import flight
 

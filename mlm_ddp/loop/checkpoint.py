@@ -273,6 +273,15 @@ class StopSignals:
         if self.received is None:
             self.received = signal.Signals(signum).name
 
+    def end_if_received(self, names: tuple[str, ...] = ("SIGTERM", "SIGINT")) -> None:
+        """Before the process joins the job, there is no one to agree with and nothing to save: end it as
+        `names`' default action would if one of them came already (a launcher stopping its workers, a
+        cancel). Called just before the join, which then ends the process at once on them itself."""
+        if self.received in names:
+            signum = getattr(signal, self.received)
+            signal.signal(signum, signal.SIG_DFL)
+            signal.raise_signal(signum)
+
     def votes(self) -> list[float]:
         """This process's vote for the step's all-reduce: 1 in the slot of the signal it received."""
         return [float(name == self.received) for name in self.names]
