@@ -158,6 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     faults, train_argv = parser.parse_known_args(argv)
     killed = Path(train_argv[train_argv.index("--output_dir") + 1] + ".killed") if faults.kill else None
     if faults.late is not None and killed and killed.exists() and os.environ.get("RANK") == faults.late.split(":")[0]:
+        print(f"fault_driver: rank {os.environ['RANK']} starts {faults.late.split(':')[1]} s late", file=sys.stderr,
+              flush=True)
         pause(float(faults.late.split(":")[1]))
     if faults.slow_shard_write is not None:
         from torch.distributed.checkpoint import FileSystemWriter

@@ -95,6 +95,8 @@ def test_a_worker_killed_on_either_node_restarts_both_and_the_job_ends_with_the_
     assert codes == [0, 0], "\n=====\n".join(log[-3000:] for log in logs)
     said = "\n".join(logs)
     assert f"resumed from {out / 'checkpoints' / f'step-{SAVED:07d}'} at step {SAVED}" in said, said[-4000:]
+    # the late worker was late: once, in the restart
+    assert re.findall(r"fault_driver: rank (\d) starts 12 s late", said) == ([] if late is None else [str(late)])
     # one restart: two rounds on each agent; the agent of the killed worker counts it (the other may too, when
     # its own worker failed first, in the collective with the dead one, instead of being stopped for the round)
     assert [len(rounds(log)) for log in logs] == [2, 2], [rounds(log) for log in logs]
@@ -155,8 +157,9 @@ from mlm_ddp.cluster import collectives
 from mlm_ddp.cluster.launcher import detect
 from mlm_ddp.loop.checkpoint import StopSignals
 topo = detect(cuda_devices=0)
+timeouts = collectives.Timeouts(ddp=5, save=30, rendezvous=int(sys.argv[1]))
 with StopSignals(["SIGTERM"]):  # as train() holds them while it joins
-    wait, scope = collectives.join_process_group(topo, collectives.Timeouts(ddp=5, save=30, rendezvous=int(sys.argv[1])))
+    wait, scope = collectives.join_process_group(topo, timeouts)
 print("joined", topo.world_size, scope, flush=True)
 # torn down as a run tears down (collectives.tear_down_after): left to the interpreter's exit, a gloo group's
 # threads can abort the process (SIGABRT, "terminate called without an active exception") after it joined
