@@ -22,7 +22,15 @@ from mlm_ddp.config import parse_args
 from mlm_ddp.data.masking import EPOCH_KEY
 from mlm_ddp.data.mixture import MixedBlocks, Schedule, Source, apportion
 from mlm_ddp.train import main
-from tests.conftest import NO_DROPOUT, SAME_STEPS, corpus_paragraphs, run_module, tiny_args, train_losses
+from tests.conftest import (
+    NO_DROPOUT,
+    SAME_STEPS,
+    corpus_paragraphs,
+    read_metrics,
+    run_module,
+    tiny_args,
+    train_losses,
+)
 from tests.test_fsdp import FSDP_ENV, launch
 
 WEIGHTS = ["0.7", "0.3"]
@@ -200,25 +208,55 @@ def test_a_resume_with_other_weights_is_refused_unless_allowed(straight: Path, t
     assert weights == [0.5, 0.5]
 
 
-def test_prepared_and_dataset_folder_sources_mix_with_a_file(tiny_model: Path, corpus: dict, other: Path,
-                                                             tmp_path: Path) -> None:
-    """Each source held out its own share (no --validation_file): each is evaluated apart, by name."""
-    prepared, folder = tmp_path / "prepared", tmp_path / "folder"
+@pytest.fixture(scope="module")
+def prepared(tiny_model: Path, other: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """mix_other.txt prepared whole: a source that holds out no text."""
+    out = tmp_path_factory.mktemp("mixture") / "prepared"
     assert prep.main(["--model_name_or_path", str(tiny_model), "--train_file", str(other), "--max_seq_length", "32",
-                      "--output_dir", str(prepared)]) == 0
+                      "--validation_split_percentage", "0", "--output_dir", str(out)]) == 0
+    return out
+
+
+def held_out_share_args(tiny_model: Path, corpus: dict, out: Path, *extra: str) -> list[str]:
+    """tiny_args without --validation_file: each source evaluates the share of its text it holds out."""
+    args = tiny_args(tiny_model, corpus, out, "--report", "false", *extra)
+    drop = args.index("--validation_file")
+    return args[:drop] + args[drop + 2:]
+
+
+def test_prepared_and_dataset_folder_sources_mix_with_a_file(tiny_model: Path, corpus: dict, prepared: Path,
+                                                             tmp_path: Path) -> None:
+    """No --validation_file: each source that holds out a share of its text is evaluated apart, by name; the
+    prepared folder holds none."""
+    folder = tmp_path / "folder"
     folder.mkdir()
     shutil.copy(corpus["valid"], folder / "train.txt")
     out = tmp_path / "out"
-    args = [a for a in tiny_args(tiny_model, corpus, out, "--max_train_steps", "20", "--report", "false",
-                                 "--train_file", str(corpus["train"]), str(prepared), str(folder),
-                                 "--train_weights", "2", "1", "1", "--eval_steps", "20")]
-    drop = args.index("--validation_file")
-    assert main(args[:drop] + args[drop + 2:]) == 0
+    assert main(held_out_share_args(tiny_model, corpus, out, "--max_train_steps", "20", "--eval_steps", "20",
+                                    "--train_file", str(corpus["train"]), str(prepared), str(folder),
+                                    "--train_weights", "2", "1", "1")) == 0
     summary = json.loads((out / "summary.json").read_text())
     assert [s["name"] for s in summary["sources"]] == ["train", "prepared", "folder"]
     shares = [s["tokens"] / summary["tokens_seen"] for s in summary["sources"]]
     assert shares == pytest.approx([0.5, 0.25, 0.25], abs=0.02)  # 160 blocks: one block is 0.6%
-    assert set(summary["eval_after"]["sources"]) == {"train", "prepared", "folder"}
+    assert set(summary["eval_after"]["sources"]) == {"train", "folder"}
+
+
+def test_the_one_source_that_holds_text_out_is_evaluated_by_its_name(tiny_model: Path, corpus: dict, prepared: Path,
+                                                                     tmp_path: Path,
+                                                                     caplog: pytest.LogCaptureFixture) -> None:
+    """Of two sources only train.txt holds a share out: its evaluation is train's, not the mixture's (issue 55)."""
+    out = tmp_path / "out"
+    with caplog.at_level("INFO"):
+        assert main(held_out_share_args(tiny_model, corpus, out, "--max_train_steps", "1", "--train_file",
+                                        str(corpus["train"]), str(prepared), "--train_weights", "1", "1")) == 0
+    records = [r for r in read_metrics(out) if "eval_loss" in r]
+    assert [r["step"] for r in records] == [0, 1] and all(list(r["eval_sources"]) == ["train"] for r in records)
+    assert all(r["eval_loss"] == r["eval_sources"]["train"]["loss"] for r in records)  # the mix is that source
+    summary = json.loads((out / "summary.json").read_text())
+    assert list(summary["eval_before"]["sources"]) == list(summary["eval_after"]["sources"]) == ["train"]
+    closing = next(line for line in caplog.text.splitlines() if "done: 1 steps" in line)
+    assert "; per source: train loss " in closing and " -> " in closing.split("per source: train")[1]
 
 
 def test_num_train_epochs_counts_passes_over_the_source_of_the_largest_weight(tiny_model: Path, corpus: dict,

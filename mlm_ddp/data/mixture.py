@@ -243,7 +243,7 @@ def load_mixture(cfg: DataConfig, seed: int, tokenizer: Any) -> tuple[Mixture, A
     if cfg.validation_file is not None:
         evaluation = load_held_out(cfg)
     else:
-        evaluation = held if len(held) > 1 else next(iter(held.values()), None)
+        evaluation = held or None  # by name even when one source holds some out: it is not the whole mixture
     return Mixture(names, [w / total for w in cfg.train_weights], raw, configs), evaluation
 
 
