@@ -10,9 +10,13 @@ permutation(seed, pass, source)[k % blocks]. So, without any state of their own:
 - the draw is the same on every topology: it depends on the global slot only, never on rank or process;
 - a resume is exact: the checkpoint's global slot (the epoch and block the feed saves) gives every
   source's position, its pass and its place in that pass's permutation;
-- a source that runs out starts its next pass, reshuffled (`passes` counts them);
+- a source that runs out starts its next pass, reshuffled;
 - shares are exact over any window up to one block per source: unlike a seeded random draw, whose
   share over 800 blocks strays by ~1% at a weight of 0.1 (binomial sd sqrt(800 x 0.1 x 0.9) = 8.5 blocks).
+
+Each row carries its source (`SOURCE_KEY`) and pass, so that what training took of each source is counted
+from the batches it trained on (`data.counts`), not computed from this schedule: a resume may change the
+weights, and the schedule of the new ones says nothing of the steps trained with the old.
 
 Slots are shared out in proportion to weight / (mean tokens per block), so that the shares are shares of
 tokens: with packing every block holds --max_seq_length tokens (but one shorter block per tokenization
@@ -37,7 +41,7 @@ from torch.utils.data import DataLoader
 
 from mlm_ddp.config import DataConfig
 from mlm_ddp.data.epochs import EpochBatchSampler, own_generator
-from mlm_ddp.data.masking import EPOCH_KEY
+from mlm_ddp.data.masking import EPOCH_KEY, SOURCE_KEY
 from mlm_ddp.data.prepared import MANIFEST, load_prepared
 from mlm_ddp.data.text import AnyDataset, load_held_out, load_text
 from mlm_ddp.errors import BadInput
@@ -148,7 +152,7 @@ class MixedBlocks(torch.utils.data.Dataset):
         rows = []
         for slot in slots:
             source, pass_, block = self.locate(slot)
-            rows.append({**self.sources[source].blocks[block], EPOCH_KEY: pass_})
+            rows.append({**self.sources[source].blocks[block], EPOCH_KEY: pass_, SOURCE_KEY: source})
         return rows
 
     def epoch_slots(self) -> int:
@@ -157,13 +161,15 @@ class MixedBlocks(torch.utils.data.Dataset):
         return math.ceil(len(self.sources[first].blocks) * self.schedule.period / self.schedule.counts[first])
 
     def report(self, slots: int) -> list[dict[str, Any]]:
-        """What the first `slots` global slots read of each source: name, weight, tokens and passes."""
+        """What the schedule gives each source in the first `slots` global slots: name, weight, blocks, tokens and
+        passes. The start-up log's plan: what a run trained is counted (`data.counts`)."""
         out = []
         for index, (source, k) in enumerate(zip(self.sources, self.schedule.read_before(slots).tolist(), strict=True)):
             n = len(source.blocks)
             whole, part = divmod(k, n)
             tokens = whole * source.tokens + int(source.lengths[self._order(index, whole)[:part]].sum())
-            out.append({"name": source.name, "weight": source.share, "tokens": tokens, "passes": round(k / n, 4)})
+            out.append({"name": source.name, "weight": source.share, "blocks": k, "tokens": tokens,
+                        "passes": round(k / n, 4)})
         return out
 
     def describe(self, slots: int) -> str:
