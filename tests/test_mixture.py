@@ -331,6 +331,24 @@ def held_out_share_args(tiny_model: Path, corpus: dict, out: Path, *extra: str) 
     return args[:drop] + args[drop + 2:]
 
 
+def test_a_checkpoint_without_counts_resumes_with_what_earlier_versions_reported(
+        straight: Path, tiny_model: Path, corpus: dict, other: Path, tmp_path: Path,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """An earlier version's checkpoint saved no counts: the figures up to it are the schedule's, exact here (the
+    mixture did not change), and the log says where they come from."""
+    out = at_step_3(straight, tmp_path / "legacy")
+    state_file = out / "checkpoints" / "step-0000003" / "trainer_state.json"
+    state = json.loads(state_file.read_text())
+    del state["sources"]
+    state_file.write_text(json.dumps(state))
+    with caplog.at_level("INFO"):
+        assert main(mix_args(tiny_model, corpus, out, other, *STEPS, "--resume_from_checkpoint", "latest")) == 0
+    assert json.loads((out / "summary.json").read_text())["sources"] == \
+        json.loads((straight / "summary.json").read_text())["sources"]
+    assert ("the checkpoint saved no per-source counts (an earlier version): summary.json's sources up to step 3 "
+            "are the schedule's figures") in caplog.text
+
+
 def test_prepared_and_dataset_folder_sources_mix_with_a_file(tiny_model: Path, corpus: dict, prepared: Path,
                                                              tmp_path: Path) -> None:
     """No --validation_file: each source that holds out a share of its text is evaluated apart, by name; the
@@ -395,6 +413,15 @@ def test_streamed_sources_mix_run_out_and_resume_exactly(tiny_model: Path, corpu
     reference, losses = train_losses(straight), train_losses(resumed)
     assert all(losses[s] == pytest.approx(reference[s], rel=SAME_STEPS) for s in range(4, 7)), (losses, reference)
     assert json.loads((resumed / "summary.json").read_text())["sources"] == summary["sources"]
+    # as an earlier version saved it: no counts in trainer_state.json, this rank's tokens in its stream position
+    legacy = at_step_3(straight, tmp_path / "legacy")
+    saved = legacy / "checkpoints" / "step-0000003"
+    state, position = (json.loads((saved / name).read_text()) for name in ("trainer_state.json", "data_state_0.json"))
+    position["tokens"] = [s["tokens"] for s in state.pop("sources")]
+    (saved / "trainer_state.json").write_text(json.dumps(state))
+    (saved / "data_state_0.json").write_text(json.dumps(position))
+    assert main(mix_args(tiny_model, corpus, legacy, other, *args, "--resume_from_checkpoint", "latest")) == 0
+    assert json.loads((legacy / "summary.json").read_text())["sources"] == summary["sources"]
 
 
 @pytest.mark.parametrize("case", ["count", "zero", "negative", "unweighted", "missing", "empty", "names", "twice",

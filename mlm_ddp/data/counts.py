@@ -52,11 +52,13 @@ class SourceCounts:
             return cls(ds.names, ds.shares, None)
         return None
 
-    def restore(self, before: list[dict[str, Any]] | None) -> None:
-        """Go on from a checkpoint's counts (`before`: all ranks', as `total` gave them; None: nothing before)."""
+    def restore(self, before: list[dict[str, Any]] | None, mine: list[list[int]] | None = None) -> None:
+        """Go on from a checkpoint's counts (`before`: all ranks', as `total` gave them; None: nothing before),
+        of which this rank counted `mine` itself (only a checkpoint that saved no counts: see `TrainFeed`)."""
         self.before = {row["name"]: row for row in before or []}
-        self.mine = np.zeros((len(self.names), COLUMNS), dtype=np.int64)
-        self.window = np.zeros_like(self.mine)
+        zeros = np.zeros((len(self.names), COLUMNS), dtype=np.int64)
+        self.mine = zeros if mine is None else np.asarray(mine, dtype=np.int64).reshape(zeros.shape)
+        self.window = np.zeros_like(zeros)
 
     def held(self, window: list[dict[str, Any]]) -> None:
         """Take the source tags off a window's batches (they never reach the device) and hold their counts

@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader
 from mlm_ddp.data.counts import SourceCounts
 from mlm_ddp.data.epochs import EpochBatchSampler
 from mlm_ddp.data.mixed_stream import MixedStream
+from mlm_ddp.data.mixture import MixedBlocks
 from mlm_ddp.data.stream import PackedStream, is_stream
 from mlm_ddp.errors import BadInput
 
@@ -158,17 +159,23 @@ class TrainFeed:
         if self.sampler is not None:  # map-style: the slot of the next micro-batch, from the first epoch
             within = start_block if start_block is not None else start * self.sampler.global_batch
             self.slot = epoch * self.sampler.epoch_blocks + within
-        self._count_from(counted)
+        self._count_from(counted, stream_state)
         self._it: Iterator[Any] | None = None
         self._primed: list[Any] | None = None  # a window read ahead by `prime`, and where it starts
         self._primed_at: FeedPosition | None = None
 
-    def _count_from(self, counted: list[dict[str, Any]] | None) -> None:
-        """A mixture's counts at a start, a resume or a rollback: the checkpoint's."""
+    def _count_from(self, counted: list[dict[str, Any]] | None, stream_state: dict[str, Any] | None) -> None:
+        """A mixture's counts at a start, a resume or a rollback: the checkpoint's. A checkpoint that saved none
+        (an earlier version) gets what that version reported: map-style, the schedule's figures up to its
+        position (exact if the mixture did not change since); a stream, each rank's saved counts (on the
+        number of processes that wrote it; on another one the counts start at the resume)."""
         ds, counts = self.loader.dataset, self.counts
         if counts is None:
             return
-        counts.restore(counted)
+        if counted is None and isinstance(ds, MixedBlocks) and self.slot:
+            counted = ds.report(self.slot)
+        legacy = counted is None and stream_state is not None and "tokens" in stream_state
+        counts.restore(counted, ds.counted_before(stream_state) if legacy else None)
         if isinstance(ds, MixedStream):  # another topology's parts start at passes no part has begun
             ds.first_passes = counts.begun()
 

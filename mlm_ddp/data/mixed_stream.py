@@ -20,6 +20,7 @@ import copy
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 import torch
 
 from mlm_ddp.data.masking import EPOCH_KEY, SOURCE_KEY
@@ -86,3 +87,11 @@ class MixedStream(torch.utils.data.IterableDataset):
                                    "holds no text; give it more text or use fewer processes")
             self.read += 1
             yield {**block, EPOCH_KEY: self.passes[source], SOURCE_KEY: source}
+
+    def counted_before(self, state: dict[str, Any]) -> list[list[int]]:
+        """This rank's blocks, tokens and passes begun of each source up to a saved position of a version that
+        saved no counts: its tokens and passes, and its blocks from the round-robin (this rank's slots)."""
+        i = np.arange(state["read"])
+        slots = i // self.batch_size * self.global_batch + self.rank * self.batch_size + i % self.batch_size
+        blocks = np.bincount(self.schedule.order[slots % self.schedule.period], minlength=len(self.parts))
+        return [[int(b), int(t), p + 1] for b, t, p in zip(blocks, state["tokens"], state["passes"], strict=True)]

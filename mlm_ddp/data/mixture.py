@@ -162,14 +162,14 @@ class MixedBlocks(torch.utils.data.Dataset):
 
     def report(self, slots: int) -> list[dict[str, Any]]:
         """What the schedule gives each source in the first `slots` global slots: name, weight, blocks, tokens and
-        passes. The start-up log's plan: what a run trained is counted (`data.counts`)."""
+        passes. A plan (the start-up log's), or the counts of a checkpoint that saved none (exact if the mixture
+        did not change since): what a run trained is counted (`data.counts`)."""
         out = []
         for index, (source, k) in enumerate(zip(self.sources, self.schedule.read_before(slots).tolist(), strict=True)):
             n = len(source.blocks)
             whole, part = divmod(k, n)
             tokens = whole * source.tokens + int(source.lengths[self._order(index, whole)[:part]].sum())
-            out.append({"name": source.name, "weight": source.share, "blocks": k, "tokens": tokens,
-                        "passes": round(k / n, 4)})
+            out.append({"name": source.name, "weight": source.share, "blocks": k, "tokens": tokens, "passes": k / n})
         return out
 
     def describe(self, slots: int) -> str:
@@ -266,6 +266,22 @@ def load_data(cfg: DataConfig, seed: int, tokenizer: Any) -> tuple[Any, AnyDatas
 def source_changes(cfg: DataConfig) -> frozenset[str]:
     """The settings a resume may change under --allow_source_changes."""
     return SOURCE_CHANGES if cfg.allow_source_changes else frozenset()
+
+
+def uncounted_note(cfg: DataConfig, state: Any, changes: dict, elastic: bool, note: str | None) -> str | None:
+    """The resume's note (`note`, if any) and, for a mixture's checkpoint that saved no per-source counts (an
+    earlier version), what summary.json's `sources` hold for the steps before it (data/feed.py: `_count_from`)."""
+    if not cfg.mixed or state.sources is not None or not state.step:
+        return note
+    if cfg.streaming and not elastic:
+        return note  # each rank's saved stream position holds its counts: exact
+    if cfg.streaming:
+        said = f"count from step {state.step}: they add up to the tokens trained since, not to tokens_seen"
+    else:
+        said = (f"up to step {state.step} are the schedule's figures"
+                + (", estimated: the mixture changed" if SOURCE_CHANGES & set(changes) else ""))
+    return "; ".join(filter(None, [note, "the checkpoint saved no per-source counts (an earlier version): "
+                                         f"summary.json's sources {said}"]))
 
 
 def sources_read_line(sources: list[dict] | None) -> str:
