@@ -279,6 +279,7 @@ def agree(run: Training, step: int, window: list[dict[str, torch.Tensor]], at: m
 def took(run: Training, step: int, result: StepResult) -> tuple[int, StepResult] | None:
     """Count a step that was taken (or skipped); returns it when its skip is still on the device."""
     run.log.add(result)
+    run.feed.count_trained()  # a mixture's sources, counted on the host as tokens_seen counts the step
     unread = None
     if isinstance(result.stepped, torch.Tensor):
         unread = (step, result)  # read with the next step's all-reduce, or after the last step
@@ -318,11 +319,12 @@ def settle(run: Training, unread: tuple[int, StepResult]) -> None:
 
 
 def trainer_state(run: Training, step: int, at: mdata.FeedPosition) -> ckpt.TrainerState:
-    """The counters a checkpoint after `step` saves, the data at `at` (a collective: every rank's tokens)."""
+    """The counters a checkpoint after `step` saves, the data at `at` (a collective: every rank's tokens, and a
+    mixture's counts of each source)."""
     sampler = run.feed.sampler
     return ckpt.TrainerState(step, at.epoch, at.batch_in_epoch, run.log.tokens_total(), run.accelerator.num_processes,
                              at.block_in_epoch, None if sampler is None else sampler.layout_batch,
-                             run.checked.precision[0])
+                             run.checked.precision[0], run.feed.counted())
 
 
 def position_after(run: Training, step: int) -> tuple[ckpt.TrainerState, dict | None]:

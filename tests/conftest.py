@@ -346,3 +346,61 @@ def words_masked(batches: list[tuple[int, list[dict], dict]], special_ids: list[
                 if kept.all() and len(word) > 1 and word.any():
                     whole, part = whole + int(word.all()), part + int(not word.all())
     return part, whole
+
+
+def exact_lines(tokenizer: Any, paragraphs: list[str], count: int, length: int) -> list[str]:
+    """`count` lines of the paragraphs' words, each exactly `length` tokens as a run tokenizes a text ([CLS]
+    words [SEP]; WordPiece splits at spaces first, so a line's pieces are its words' pieces). Packed or
+    streamed in any order, each such text is one block whole: `BySource` then names every block's source."""
+    lines: list[str] = []
+    words: list[str] = []
+    used, budget, pieces = 0, length - 2, {}
+    for word in " ".join(paragraphs).split():
+        n = pieces.setdefault(word, len(tokenizer(word, add_special_tokens=False)["input_ids"]))
+        if used + n > budget:
+            continue  # a shorter word will fill the line exactly
+        words.append(word)
+        used += n
+        if used == budget:
+            lines.append(" ".join(words))
+            words, used = [], 0
+            if len(lines) == count:
+                break
+    assert len(lines) == count and all(len(tokenizer(line)["input_ids"]) == length for line in lines)
+    return lines
+
+
+class BySource:
+    """Which source a trained block came from, told by its tokens alone. Each source's blocks are cut here as
+    docs/data.md says packing cuts them: its texts tokenized as [CLS] text [SEP], each 1000 texts concatenated
+    and cut every `length` tokens (the rest one shorter block). That holds for a map-style run with
+    --validation_file (the texts packed in file order), and for any run whose every text is exactly one block
+    (`exact_lines`: streamed too, in any order). A block of no source, or of two, fails the count."""
+
+    def __init__(self, tokenizer: Any, files: dict[str, Path], length: int) -> None:
+        self.source: dict[tuple[int, ...], str | None] = {}
+        for name, path in files.items():
+            texts = [line for line in path.read_text().splitlines() if line.strip()]
+            for first in range(0, len(texts), 1000):
+                ids = [i for row in tokenizer(texts[first:first + 1000])["input_ids"] for i in row]
+                for start in range(0, len(ids), length):
+                    block = tuple(ids[start:start + length])
+                    self.source[block] = name if self.source.get(block, name) == name else None  # None: both
+        self.names = list(files)
+
+    def count(self, blocks: list[list[int]]) -> dict[str, dict[str, int]]:
+        """Each source's blocks and tokens among `blocks` (each a block's token ids, unmasked)."""
+        counted = {name: {"blocks": 0, "tokens": 0} for name in self.names}
+        for block in blocks:
+            name = self.source.get(tuple(block))
+            assert name is not None, f"a trained block of no one source: {block}"
+            counted[name]["blocks"] += 1
+            counted[name]["tokens"] += len(block)
+        return counted
+
+
+def trained_blocks(made: list[tuple[int, list[dict], dict]]) -> list[list[list[int]]]:
+    """The blocks of each training batch `recorded_batches` saw, batch after batch (each block's token ids)."""
+    from mlm_ddp.data.masking import TRAIN_SPLIT
+
+    return [[list(e["input_ids"]) for e in examples] for split, examples, _ in made if split == TRAIN_SPLIT]

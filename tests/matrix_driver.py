@@ -4,7 +4,8 @@
 `python -m tests.matrix_driver CASES.json RESULTS_DIR`: CASES.json holds [{"id", "argv", "out", "root"}];
 each process writes RESULTS_DIR/results_<rank>.json with, per case, the exit code of
 `mlm_ddp.train.main(argv)`, the seconds it took, the error lines it printed, and (main process) which
-files under `root` outside the run's own folder changed.
+files under `root` outside the run's own folder changed and what the run left (its curve, checkpoints and
+summary's counts).
 """
 
 from __future__ import annotations
@@ -61,8 +62,10 @@ def main(argv: list[str] | None = None) -> int:
         left: dict = {}
         if rank == 0 and code == 0:  # what this run left, before a later resume into its folder changes it
             records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+            summary = json.loads((out / "summary.json").read_text())
             left = {"curve": {r["step"]: r["loss"] for r in records if "loss" in r},
-                    "summary_steps": json.loads((out / "summary.json").read_text())["steps"],
+                    "summary_steps": summary["steps"], "tokens_seen": summary["tokens_seen"],
+                    "sources": summary["sources"],
                     "checkpoints": sorted(int(p.name.split("-")[1]) for p in (out / "checkpoints").glob("step-*")),
                     "aside": sorted(str(p.relative_to(out)) for p in (out / "checkpoints").glob("abandoned-*/*"))}
         results.append({"id": case["id"], "exit": code, "elapsed": elapsed, "changed": changed,

@@ -26,7 +26,18 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import CONFIGS, LAUNCH, REPO, SAME_STEPS, corpus_paragraphs, free_port
+from tests.conftest import (
+    CONFIGS,
+    LAUNCH,
+    REPO,
+    SAME_STEPS,
+    BySource,
+    corpus_paragraphs,
+    exact_lines,
+    free_port,
+    recorded_batches,
+    trained_blocks,
+)
 
 SEQ = 16
 STREAM_STEPS, STREAM_EVERY = 5, 2
@@ -68,6 +79,16 @@ def epoch_checkpoints(steps: int, per_epoch: int, accumulation: int) -> list[int
     """The steps that read the last micro-batch of an epoch: a window may run across the epoch end."""
     return [s for s in range(1, steps + 1)
             if (s * accumulation) // per_epoch > ((s - 1) * accumulation) // per_epoch]
+
+
+def mixstream_files(tokenizer, root: Path) -> list[Path]:
+    """The streamed mixtures' two sources: 5 and 3 texts of exactly SEQ tokens, each one block."""
+    files = [root / "data" / "mixstream-a.txt", root / "data" / "mixstream-b.txt"]
+    for path, count, offset in zip(files, (5, 3), (60, 90), strict=True):
+        if not path.exists():
+            lines = exact_lines(tokenizer, corpus_paragraphs()[offset:offset + 10], count, SEQ)
+            path.write_text("\n".join(lines) + "\n")
+    return files
 
 
 def build_cases(tiny_model: Path, root: Path) -> list[Case]:
@@ -150,9 +171,10 @@ def build_cases(tiny_model: Path, root: Path) -> list[Case]:
                              "--max_train_steps", "6", "--checkpointing_steps", "2")
             cases.append(Case(out.name, procs, argv, out, steps=6, checkpoints=[2, 4, 6],
                               same_curve_as=f"mix-p1-ga{ga}" if procs == 2 else None))
-        # streamed: each rank reads its parts of both sources, which run out and restart within the run
+        # streamed: each rank reads its parts of both sources, which run out and restart within the run; every
+        # text is one block (test_a_streamed_mixture_resumed_on_another_number_of_processes_keeps_its_counts)
         argv, out = base(f"mixstream-p{procs}", files[7], 2, 1, "--streaming", "--train_file",
-                         str(root / "data" / "stream-24.txt"), str(root / "data" / "map2-13.txt"),
+                         *map(str, mixstream_files(tokenizer, root)),
                          "--train_weights", "0.6", "0.4", "--max_train_steps", str(STREAM_STEPS),
                          "--checkpointing_steps", str(STREAM_EVERY), "--shuffle_buffer_size", "4")
         cases.append(Case(out.name, procs, argv, out, steps=STREAM_STEPS,
@@ -217,6 +239,8 @@ def check(case: Case, result: dict, cases: dict[str, Case], curves: dict[str, di
     assert result["exit"] == 0, result
     assert result["changed_outside"] == [], result
     assert result["summary_steps"] == case.steps
+    if result["sources"] is not None:  # a mixture's: what each source gave, counted on every rank, added up
+        assert sum(s["tokens"] for s in result["sources"]) == result["tokens_seen"], result
     curve = {int(k): v for k, v in result["curve"].items()}
     if case.resumes_from is None:
         assert sorted(curve) == list(range(1, case.steps + 1))
@@ -256,3 +280,47 @@ def test_every_generated_run_finishes_exactly_or_stops_at_once(matrix) -> None:
     # the matrix holds each kind of outcome, for 1 and 2 processes
     kinds = {(c.procs, c.exit, c.resumes_from is not None) for c in cases}
     assert {(p, e, r) for p in (1, 2) for e, r in ((0, False), (2, False), (0, True))} <= kinds
+
+
+def test_a_streamed_mixture_resumed_on_another_number_of_processes_keeps_its_counts(
+        matrix, tiny_model: Path, tmp_path: Path) -> None:
+    """The 2-process streamed mixture's checkpoint at step 2, resumed on 1 process (4 blocks per device: the global
+    batch kept) to its last step, 5: each source's blocks and tokens are the checkpoint's (all ranks) plus what this
+    run's batches held, told by their tokens (every text is one block), and add up to tokens_seen; each part
+    starts a pass no part had begun (issue 55: the counts restarted from zero)."""
+    from transformers import AutoTokenizer
+
+    from mlm_ddp.data.masking import EPOCH_KEY, TRAIN_SPLIT
+    from mlm_ddp.train import main
+
+    cases, _ = matrix
+    case = next(c for c in cases if c.id == "mixstream-p2")
+    checkpoint = case.out / "checkpoints" / f"step-{STREAM_EVERY:07d}"
+    saved = json.loads((checkpoint / "trainer_state.json").read_text())
+    assert sum(s["tokens"] for s in saved["sources"]) == saved["tokens_seen"] > 0
+    out = tmp_path / "elastic"
+    with recorded_batches() as made:
+        assert main([*case.argv, "--output_dir", str(out), "--resume_from_checkpoint", str(checkpoint),
+                     "--per_device_train_batch_size", "4"]) == 0
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    files = mixstream_files(tokenizer, case.out.parent)
+    by_source = BySource(tokenizer, {"mixstream-a": files[0], "mixstream-b": files[1]}, SEQ)
+    steps = trained_blocks(made)
+    assert len(steps) == STREAM_STEPS - STREAM_EVERY
+    counted = by_source.count([block for step in steps for block in step])
+    summary = json.loads((out / "summary.json").read_text())
+    before = {s["name"]: s for s in saved["sources"]}
+    assert [(s["name"], s["blocks"], s["tokens"]) for s in summary["sources"]] == [
+        (name, before[name]["blocks"] + c["blocks"], before[name]["tokens"] + c["tokens"])
+        for name, c in counted.items()]
+    assert sum(s["tokens"] for s in summary["sources"]) == summary["tokens_seen"]
+    # the passes the blocks were read in (their masks' epoch): none that the 2 processes' parts had begun (one
+    # there began a second pass, so pass 1, the stream's next epoch, would be one of theirs)
+    assert max(s["passes"] for s in saved["sources"]) >= 2, saved["sources"]
+    first_pass = {}
+    for split, examples, _ in made:
+        for example in examples if split == TRAIN_SPLIT else ():
+            name = by_source.source[tuple(example["input_ids"])]
+            first_pass[name] = min(first_pass.get(name, example[EPOCH_KEY]), example[EPOCH_KEY])
+    assert first_pass == {name: before[name]["passes"] for name in counted}, (first_pass, before)
+    assert all(s["passes"] > before[s["name"]]["passes"] for s in summary["sources"])

@@ -19,10 +19,22 @@ from datasets import Dataset
 
 from mlm_ddp import prepare as prep
 from mlm_ddp.config import parse_args
-from mlm_ddp.data.masking import EPOCH_KEY
+from mlm_ddp.data.counts import SourceCounts
+from mlm_ddp.data.masking import EPOCH_KEY, MaskingCollator
 from mlm_ddp.data.mixture import MixedBlocks, Schedule, Source, apportion
 from mlm_ddp.train import main
-from tests.conftest import NO_DROPOUT, SAME_STEPS, corpus_paragraphs, run_module, tiny_args, train_losses
+from tests.conftest import (
+    NO_DROPOUT,
+    SAME_STEPS,
+    BySource,
+    corpus_paragraphs,
+    read_metrics,
+    recorded_batches,
+    run_module,
+    tiny_args,
+    train_losses,
+    trained_blocks,
+)
 from tests.test_fsdp import FSDP_ENV, launch
 
 WEIGHTS = ["0.7", "0.3"]
@@ -42,6 +54,22 @@ def other(corpus: dict) -> Path:
 def mix_args(tiny_model: Path, corpus: dict, out: Path, other: Path, *extra: str) -> list[str]:
     return tiny_args(tiny_model, corpus, out, "--train_file", str(corpus["train"]), str(other),
                      "--train_weights", *WEIGHTS, *extra)
+
+
+def held(by: BySource, steps: list[list[list[int]]], sources: list[dict]) -> dict[str, dict[str, int]]:
+    """What the batches of `steps` held of each source (`BySource`: told by the blocks' tokens), checked against
+    summary.json's `sources`: the same blocks and tokens, by name."""
+    counted = by.count([block for step in steps for block in step])
+    assert {s["name"]: {"blocks": s["blocks"], "tokens": s["tokens"]} for s in sources} == counted
+    return counted
+
+
+def at_step_3(run: Path, out: Path) -> Path:
+    """A copy of `run` (6 steps, checkpoints at 3 and 6) as it was when its step 3 was saved."""
+    shutil.copytree(run, out)
+    for later in ("summary.json", "final", "checkpoints/step-0000006"):
+        shutil.rmtree(out / later) if (out / later).is_dir() else (out / later).unlink()
+    return out
 
 
 def blocks(lengths: list[int]) -> Dataset:
@@ -95,6 +123,71 @@ def test_shares_are_of_tokens_when_blocks_differ_in_length() -> None:
     assert tokens[0] / sum(tokens) == pytest.approx(0.5, abs=0.005)
 
 
+def serve(mixed: MixedBlocks, counts: list[SourceCounts], first: int, steps: int, batch: int,
+          rng: np.random.Generator) -> list[list[int]]:
+    """`steps` global micro-batches of slots from `first` on, rank r of len(counts) taking slice r of each, as the
+    feed reads them: each rank's batch collated, its tags counted, its step taken; now and then a window read and
+    dropped first (a loss spike's, skipped). Returns the blocks the batches held."""
+    collate = MaskingCollator(mask_token_id=4, pad_token_id=0, special_ids=[0, 1, 2, 3, 4], vocab_size=600)
+    held_blocks = []
+    for step in range(steps):
+        slot = first + step * batch * len(counts)
+        for rank, count in enumerate(counts):
+            rows = mixed.__getitems__(list(range(slot + rank * batch, slot + (rank + 1) * batch)))
+            if rng.random() < 0.2:  # read, then replaced by the window that trains: never counted
+                count.held([collate(mixed.__getitems__(list(range(slot + 10_000, slot + 10_000 + batch))))])
+            count.held([collate(rows)])
+            count.took()
+            held_blocks += [list(row["input_ids"]) for row in rows]
+    return held_blocks
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_the_counts_after_a_change_of_weights_and_processes_are_what_the_batches_held(seed: int) -> None:
+    """Generated: 3 sources of blocks of 3-19 tokens whose first token names the source; some steps at one set of
+    weights on 1-2 ranks, a checkpoint (the counts of all ranks), then more steps at other weights on 1-4 ranks
+    (--allow_source_changes; every other case drops the third source). Each source's blocks, tokens and passes are
+    those the batches held and add up to them all, the dropped source kept at weight 0; the new weights' schedule
+    from slot 0 (issue 55) would say otherwise."""
+    rng = np.random.default_rng(seed)
+    sizes = rng.integers(5, 40, size=3)
+    sources = []
+    for s, size in enumerate(sizes):
+        lengths = rng.integers(3, 20, size=size)
+        ids = [[10 + s] + rng.integers(20, 600, size=n - 1).tolist() for n in lengths]
+        sources.append(Source(f"s{s}", 1.0, Dataset.from_dict({"input_ids": ids}), np.asarray(lengths)))
+    before, after = rng.dirichlet([1, 1, 1]), rng.dirichlet([1, 1, 1])
+    kept = 2 if seed % 2 else 3
+    first = MixedBlocks([Source(x.name, w, x.blocks, x.lengths) for x, w in zip(sources, before, strict=True)], seed)
+    then = MixedBlocks([Source(x.name, w / after[:kept].sum(), x.blocks, x.lengths)
+                        for x, w in zip(sources[:kept], after[:kept], strict=True)], seed)
+    global_batch, steps = 4, [int(n) for n in rng.integers(5, 60, size=2)]
+    ranks = [int(rng.choice([1, 2])), int(rng.choice([1, 2, 4]))]
+
+    counts = [SourceCounts.of(first) for _ in range(ranks[0])]
+    held_blocks = serve(first, counts, 0, steps[0], global_batch // ranks[0], rng)
+    saved = counts[0].total(lambda _: [c.mine.ravel().tolist() for c in counts])  # noqa: B023
+    counts = [SourceCounts.of(then) for _ in range(ranks[1])]
+    for count in counts:
+        count.restore(saved)
+    held_blocks += serve(then, counts, steps[0] * global_batch, steps[1], global_batch // ranks[1], rng)
+    report = counts[0].report(lambda _: [c.mine.ravel().tolist() for c in counts])  # noqa: B023
+
+    truth = {f"s{s}": {"blocks": 0, "tokens": 0} for s in range(3)}
+    for block in held_blocks:
+        truth[f"s{block[0] - 10}"]["blocks"] += 1
+        truth[f"s{block[0] - 10}"]["tokens"] += len(block)
+    assert {r["name"]: {"blocks": r["blocks"], "tokens": r["tokens"]} for r in report} == truth
+    assert sum(r["tokens"] for r in report) == sum(len(b) for b in held_blocks)
+    assert [r["passes"] for r in report] == [round(truth[r["name"]]["blocks"] / len(x.blocks), 4)
+                                             for r, x in zip(report, sources, strict=False)]
+    assert [r["weight"] for r in report][:kept] == pytest.approx(list(after[:kept] / after[:kept].sum()))
+    if kept == 2:
+        assert report[2]["name"] == "s2" and report[2]["weight"] == 0.0
+    planned = then.report((steps[0] + steps[1]) * global_batch)
+    assert [p["blocks"] for p in planned] != [truth[p["name"]]["blocks"] for p in planned]
+
+
 def test_flags_and_a_yaml_list_give_the_same_sources(tmp_path: Path) -> None:
     flags = parse_args(["--train_file", "d/legal.txt", "g.jsonl", "--train_weights", "0.9", "0.1"]).data
     assert (flags.train_file, flags.train_weights, flags.train_names) == (["d/legal.txt", "g.jsonl"], [0.9, 0.1], None)
@@ -114,25 +207,43 @@ def test_flags_and_a_yaml_list_give_the_same_sources(tmp_path: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def straight(tiny_model: Path, corpus: dict, other: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """One process, 6 steps of 8 blocks, a checkpoint at step 3."""
+def by_source(tiny_model: Path, corpus: dict, other: Path) -> BySource:
+    from transformers import AutoTokenizer
+
+    return BySource(AutoTokenizer.from_pretrained(tiny_model), {"train": corpus["train"], "mix_other": other}, 32)
+
+
+@pytest.fixture(scope="module")
+def straight_run(tiny_model: Path, corpus: dict, other: Path,
+                 tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[list[list[int]]]]:
+    """One process, 6 steps of 8 blocks, a checkpoint at step 3; and the blocks of each step."""
     out = tmp_path_factory.mktemp("mixture") / "straight"
-    assert main(mix_args(tiny_model, corpus, out, other, *STEPS)) == 0
-    return out
+    with recorded_batches() as made:
+        assert main(mix_args(tiny_model, corpus, out, other, *STEPS)) == 0
+    return out, trained_blocks(made)
+
+
+@pytest.fixture(scope="module")
+def straight(straight_run: tuple[Path, list]) -> Path:
+    return straight_run[0]
 
 
 def test_realized_token_shares_match_the_weights_over_100_steps(tiny_model: Path, corpus: dict, other: Path,
-                                                                tmp_path: Path,
-                                                                caplog: pytest.LogCaptureFixture) -> None:
-    """800 blocks: the larger source makes about 0.4 passes, the smaller (40 paragraphs) more than one, reshuffled."""
-    with caplog.at_level("INFO"):
+                                                                tmp_path: Path, caplog: pytest.LogCaptureFixture,
+                                                                by_source: BySource) -> None:
+    """800 blocks: the larger source makes about 0.4 passes, the smaller (40 paragraphs) more than one, reshuffled.
+    The shares are those the batches held, each block's source told by its tokens (issue 57: not the schedule's
+    arithmetic, which a block served from the wrong source would not move)."""
+    with caplog.at_level("INFO"), recorded_batches() as made:
         assert main(mix_args(tiny_model, corpus, tmp_path / "run", other, "--max_train_steps", "100",
                              "--logging_steps", "50", "--eval_steps", "1000", "--report", "false",
                              "--train_names", "docs", "extra")) == 0
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     sources = summary["sources"]
     assert [s["name"] for s in sources] == ["docs", "extra"] and [s["weight"] for s in sources] == [0.7, 0.3]
-    assert sum(s["tokens"] for s in sources) == summary["tokens_seen"]  # every trained token, counted once
+    counted = by_source.count([block for step in trained_blocks(made) for block in step])
+    assert [(s["blocks"], s["tokens"]) for s in sources] == [(c["blocks"], c["tokens"]) for c in counted.values()]
+    assert sum(s["blocks"] for s in sources) == 800 and sum(s["tokens"] for s in sources) == summary["tokens_seen"]
     for source, weight in zip(sources, (0.7, 0.3), strict=True):
         assert source["tokens"] / summary["tokens_seen"] == pytest.approx(weight, abs=0.01)
     assert sources[0]["passes"] < 1 < sources[1]["passes"]
@@ -160,10 +271,7 @@ def test_fsdp_and_a_resume_train_the_same_steps(straight: Path, tiny_model: Path
     assert all(losses[s] == pytest.approx(reference[s], rel=SAME_STEPS) for s in reference), losses
     summary = json.loads((out / "summary.json").read_text())
     assert summary["sources"] == json.loads((straight / "summary.json").read_text())["sources"]
-    resumed = tmp_path / "resumed"
-    shutil.copytree(straight, resumed)
-    for later in ("summary.json", "final", "checkpoints/step-0000006"):
-        shutil.rmtree(resumed / later) if (resumed / later).is_dir() else (resumed / later).unlink()
+    resumed = at_step_3(straight, tmp_path / "resumed")
     assert main(mix_args(tiny_model, corpus, resumed, other, *STEPS, "--resume_from_checkpoint", "latest")) == 0
     losses = train_losses(resumed)
     assert all(losses[s] == pytest.approx(reference[s], rel=SAME_STEPS) for s in range(4, 7)), losses
@@ -171,14 +279,15 @@ def test_fsdp_and_a_resume_train_the_same_steps(straight: Path, tiny_model: Path
         json.loads((straight / "summary.json").read_text())["sources"]
 
 
-def test_a_resume_with_other_weights_is_refused_unless_allowed(straight: Path, tiny_model: Path, corpus: dict,
-                                                                other: Path, tmp_path: Path,
+def test_a_resume_with_other_weights_is_refused_unless_allowed(straight_run: tuple[Path, list], tiny_model: Path,
+                                                                corpus: dict, other: Path, tmp_path: Path,
                                                                 capsys: pytest.CaptureFixture,
-                                                                caplog: pytest.LogCaptureFixture) -> None:
-    out = tmp_path / "changed"
-    shutil.copytree(straight, out)
-    for later in ("summary.json", "final", "checkpoints/step-0000006"):
-        shutil.rmtree(out / later) if (out / later).is_dir() else (out / later).unlink()
+                                                                caplog: pytest.LogCaptureFixture,
+                                                                by_source: BySource) -> None:
+    """Allowed, the sources' figures are what the batches held: steps 1-3 at 0.7/0.3, then 4-6 at 0.5/0.5 (issue
+    55: they were the new weights' schedule from step 0)."""
+    straight, straight_steps = straight_run
+    out = at_step_3(straight, tmp_path / "changed")
     before = sorted(p.name for p in out.rglob("*"))
     args = [*tiny_args(tiny_model, corpus, out, *STEPS, "--train_file", str(corpus["train"]), str(other),
                        "--train_weights", "0.5", "0.5", "--resume_from_checkpoint", "latest")]
@@ -192,33 +301,87 @@ def test_a_resume_with_other_weights_is_refused_unless_allowed(straight: Path, t
     err = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
     assert len(err) == 1 and "data.train_file" in err[0] and "valid.txt" in err[0], err
     assert sorted(p.name for p in out.rglob("*")) == before
-    with caplog.at_level("INFO"):
+    with caplog.at_level("INFO"), recorded_batches() as made:
         assert main([*args, "--allow_source_changes"]) == 0
     assert "resuming with a changed setting: data.train_weights [0.7, 0.3] -> [0.5, 0.5]" in caplog.text
     assert yaml.safe_load((out / "config.yaml").read_text())["data"]["allow_source_changes"] is True
-    weights = [s["weight"] for s in json.loads((out / "summary.json").read_text())["sources"]]
-    assert weights == [0.5, 0.5]
+    summary = json.loads((out / "summary.json").read_text())
+    assert [s["weight"] for s in summary["sources"]] == [0.5, 0.5]
+    resumed = trained_blocks(made)
+    assert len(resumed) == 3  # steps 4 to 6
+    counted = held(by_source, straight_steps[:3] + resumed, summary["sources"])
+    assert sum(c["tokens"] for c in counted.values()) == summary["tokens_seen"]
+    # 17 + 7 blocks at 0.7/0.3 (the round-robin's first 24), then 12 + 12: not the 24 + 24 of 0.5/0.5 from step 0
+    assert [c["blocks"] for c in counted.values()] == [29, 19]
 
 
-def test_prepared_and_dataset_folder_sources_mix_with_a_file(tiny_model: Path, corpus: dict, other: Path,
-                                                             tmp_path: Path) -> None:
-    """Each source held out its own share (no --validation_file): each is evaluated apart, by name."""
-    prepared, folder = tmp_path / "prepared", tmp_path / "folder"
+@pytest.fixture(scope="module")
+def prepared(tiny_model: Path, other: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """mix_other.txt prepared whole: a source that holds out no text."""
+    out = tmp_path_factory.mktemp("mixture") / "prepared"
     assert prep.main(["--model_name_or_path", str(tiny_model), "--train_file", str(other), "--max_seq_length", "32",
-                      "--output_dir", str(prepared)]) == 0
+                      "--validation_split_percentage", "0", "--output_dir", str(out)]) == 0
+    return out
+
+
+def held_out_share_args(tiny_model: Path, corpus: dict, out: Path, *extra: str) -> list[str]:
+    """tiny_args without --validation_file: each source evaluates the share of its text it holds out."""
+    args = tiny_args(tiny_model, corpus, out, "--report", "false", *extra)
+    drop = args.index("--validation_file")
+    return args[:drop] + args[drop + 2:]
+
+
+def test_a_checkpoint_without_counts_resumes_with_what_earlier_versions_reported(
+        straight: Path, tiny_model: Path, corpus: dict, other: Path, tmp_path: Path,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """An earlier version's checkpoint saved no counts: the figures up to it are the schedule's, exact here (the
+    mixture did not change), and the log says where they come from."""
+    out = at_step_3(straight, tmp_path / "legacy")
+    state_file = out / "checkpoints" / "step-0000003" / "trainer_state.json"
+    state = json.loads(state_file.read_text())
+    del state["sources"]
+    state_file.write_text(json.dumps(state))
+    with caplog.at_level("INFO"):
+        assert main(mix_args(tiny_model, corpus, out, other, *STEPS, "--resume_from_checkpoint", "latest")) == 0
+    assert json.loads((out / "summary.json").read_text())["sources"] == \
+        json.loads((straight / "summary.json").read_text())["sources"]
+    assert ("the checkpoint saved no per-source counts (an earlier version): summary.json's sources up to step 3 "
+            "are the schedule's figures") in caplog.text
+
+
+def test_prepared_and_dataset_folder_sources_mix_with_a_file(tiny_model: Path, corpus: dict, prepared: Path,
+                                                             tmp_path: Path) -> None:
+    """No --validation_file: each source that holds out a share of its text is evaluated apart, by name; the
+    prepared folder holds none."""
+    folder = tmp_path / "folder"
     folder.mkdir()
     shutil.copy(corpus["valid"], folder / "train.txt")
     out = tmp_path / "out"
-    args = [a for a in tiny_args(tiny_model, corpus, out, "--max_train_steps", "20", "--report", "false",
-                                 "--train_file", str(corpus["train"]), str(prepared), str(folder),
-                                 "--train_weights", "2", "1", "1", "--eval_steps", "20")]
-    drop = args.index("--validation_file")
-    assert main(args[:drop] + args[drop + 2:]) == 0
+    assert main(held_out_share_args(tiny_model, corpus, out, "--max_train_steps", "20", "--eval_steps", "20",
+                                    "--train_file", str(corpus["train"]), str(prepared), str(folder),
+                                    "--train_weights", "2", "1", "1")) == 0
     summary = json.loads((out / "summary.json").read_text())
     assert [s["name"] for s in summary["sources"]] == ["train", "prepared", "folder"]
     shares = [s["tokens"] / summary["tokens_seen"] for s in summary["sources"]]
     assert shares == pytest.approx([0.5, 0.25, 0.25], abs=0.02)  # 160 blocks: one block is 0.6%
-    assert set(summary["eval_after"]["sources"]) == {"train", "prepared", "folder"}
+    assert set(summary["eval_after"]["sources"]) == {"train", "folder"}
+
+
+def test_the_one_source_that_holds_text_out_is_evaluated_by_its_name(tiny_model: Path, corpus: dict, prepared: Path,
+                                                                     tmp_path: Path,
+                                                                     caplog: pytest.LogCaptureFixture) -> None:
+    """Of two sources only train.txt holds a share out: its evaluation is train's, not the mixture's (issue 55)."""
+    out = tmp_path / "out"
+    with caplog.at_level("INFO"):
+        assert main(held_out_share_args(tiny_model, corpus, out, "--max_train_steps", "1", "--train_file",
+                                        str(corpus["train"]), str(prepared), "--train_weights", "1", "1")) == 0
+    records = [r for r in read_metrics(out) if "eval_loss" in r]
+    assert [r["step"] for r in records] == [0, 1] and all(list(r["eval_sources"]) == ["train"] for r in records)
+    assert all(r["eval_loss"] == r["eval_sources"]["train"]["loss"] for r in records)  # the mix is that source
+    summary = json.loads((out / "summary.json").read_text())
+    assert list(summary["eval_before"]["sources"]) == list(summary["eval_after"]["sources"]) == ["train"]
+    closing = next(line for line in caplog.text.splitlines() if "done: 1 steps" in line)
+    assert "; per source: train loss " in closing and " -> " in closing.split("per source: train")[1]
 
 
 def test_num_train_epochs_counts_passes_over_the_source_of_the_largest_weight(tiny_model: Path, corpus: dict,
@@ -245,14 +408,20 @@ def test_streamed_sources_mix_run_out_and_resume_exactly(tiny_model: Path, corpu
     assert all(s["passes"] >= 2 for s in summary["sources"]), summary["sources"]
     shares = [s["tokens"] / summary["tokens_seen"] for s in summary["sources"]]
     assert shares == pytest.approx([0.7, 0.3], abs=0.05)  # shares of 48 blocks, a few of them short
-    resumed = tmp_path / "resumed"
-    shutil.copytree(straight, resumed)
-    for later in ("summary.json", "final", "checkpoints/step-0000006"):
-        shutil.rmtree(resumed / later) if (resumed / later).is_dir() else (resumed / later).unlink()
+    resumed = at_step_3(straight, tmp_path / "resumed")
     assert main(mix_args(tiny_model, corpus, resumed, other, *args, "--resume_from_checkpoint", "latest")) == 0
     reference, losses = train_losses(straight), train_losses(resumed)
     assert all(losses[s] == pytest.approx(reference[s], rel=SAME_STEPS) for s in range(4, 7)), (losses, reference)
     assert json.loads((resumed / "summary.json").read_text())["sources"] == summary["sources"]
+    # as an earlier version saved it: no counts in trainer_state.json, this rank's tokens in its stream position
+    legacy = at_step_3(straight, tmp_path / "legacy")
+    saved = legacy / "checkpoints" / "step-0000003"
+    state, position = (json.loads((saved / name).read_text()) for name in ("trainer_state.json", "data_state_0.json"))
+    position["tokens"] = [s["tokens"] for s in state.pop("sources")]
+    (saved / "trainer_state.json").write_text(json.dumps(state))
+    (saved / "data_state_0.json").write_text(json.dumps(position))
+    assert main(mix_args(tiny_model, corpus, legacy, other, *args, "--resume_from_checkpoint", "latest")) == 0
+    assert json.loads((legacy / "summary.json").read_text())["sources"] == summary["sources"]
 
 
 @pytest.mark.parametrize("case", ["count", "zero", "negative", "unweighted", "missing", "empty", "names", "twice",

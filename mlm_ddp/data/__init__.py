@@ -25,7 +25,7 @@ nor cluster/'s heartbeat or watchdog: a feed's collectives are named through the
 from mlm_ddp.data.text import AnyDataset, embedded_corpus, load_text
 from mlm_ddp.data.prepared import load_prepared
 from mlm_ddp.data.pack import tokenize_and_pack
-from mlm_ddp.data.mixture import load_data, source_changes, sources_read_line
+from mlm_ddp.data.mixture import load_data, source_changes, sources_read_line, uncounted_note
 from mlm_ddp.data.stream import check_stream_resume, shard_sizes
 from mlm_ddp.data.feed import FeedPosition, TrainFeed
 from mlm_ddp.data.rank import RankData, rank_data, to_device
@@ -41,6 +41,7 @@ __all__ = [
     "load_data",
     "source_changes",
     "sources_read_line",
+    "uncounted_note",
     "tokenize_and_pack",
     "check_stream_resume",
     "shard_sizes",

@@ -17,6 +17,7 @@ from typing import Any
 
 from torch.utils.data import DataLoader
 
+from mlm_ddp.data.counts import SourceCounts
 from mlm_ddp.data.epochs import EpochBatchSampler
 from mlm_ddp.data.mixed_stream import MixedStream
 from mlm_ddp.data.mixture import MixedBlocks
@@ -127,12 +128,16 @@ class TrainFeed:
     every rank's numbers, in rank order; None when this is the only process) collects what each rank
     read into `last_epoch_end`. An epoch that ends before any rank filled one window can never train:
     all ranks raise the same BadInput there, instead of starting the next epoch forever.
+
+    A mixture's windows come with their sources' counts (`counts`, data/counts.py): taken off each window as it
+    is read, added once the loop says its step was taken (`count_trained`); `counted` (the checkpoint's, all
+    ranks) places a resumed run's counts as the position places its data.
     """
 
     def __init__(self, loader: DataLoader, collator: Any, accumulation: int, epoch: int, start: int,
                  any_rank: Callable[[bool], bool], stream_state: dict[str, Any] | None = None,
                  gather: Callable[[list[float]], list[list[float]]] | None = None,
-                 start_block: int | None = None) -> None:
+                 start_block: int | None = None, counted: list[dict[str, Any]] | None = None) -> None:
         self.loader, self.collator, self.accumulation = loader, collator, accumulation
         self.any_rank = any_rank
         self.gather = gather if gather is not None else (lambda values: [values])
@@ -143,19 +148,36 @@ class TrainFeed:
         self.dropped_batches = 0
         self.last_epoch_batches = 0  # micro-batches each rank trained on in the last stream epoch
         self.last_epoch_end: StreamEpochEnd | None = None
-        self.seek(epoch, start, start_block, stream_state)
+        self.counts = SourceCounts.of(loader.dataset)  # None: one source
+        self.seek(epoch, start, start_block, stream_state, counted)
 
     def seek(self, epoch: int, start: int, start_block: int | None = None,
-             stream_state: dict[str, Any] | None = None) -> None:
+             stream_state: dict[str, Any] | None = None, counted: list[dict[str, Any]] | None = None) -> None:
         """Continue from a position (`__init__`'s arguments): a start, a resume or a rollback."""
         self._epoch, self._index = epoch, start  # streams: position of the next micro-batch
         self._stream_state = stream_state if self.exact else None
         if self.sampler is not None:  # map-style: the slot of the next micro-batch, from the first epoch
             within = start_block if start_block is not None else start * self.sampler.global_batch
             self.slot = epoch * self.sampler.epoch_blocks + within
+        self._count_from(counted, stream_state)
         self._it: Iterator[Any] | None = None
         self._primed: list[Any] | None = None  # a window read ahead by `prime`, and where it starts
         self._primed_at: FeedPosition | None = None
+
+    def _count_from(self, counted: list[dict[str, Any]] | None, stream_state: dict[str, Any] | None) -> None:
+        """A mixture's counts at a start, a resume or a rollback: the checkpoint's. A checkpoint that saved none
+        (an earlier version) gets what that version reported: map-style, the schedule's figures up to its
+        position (exact if the mixture did not change since); a stream, each rank's saved counts (on the
+        number of processes that wrote it; on another one the counts start at the resume)."""
+        ds, counts = self.loader.dataset, self.counts
+        if counts is None:
+            return
+        if counted is None and isinstance(ds, MixedBlocks) and self.slot:
+            counted = ds.report(self.slot)
+        legacy = counted is None and stream_state is not None and "tokens" in stream_state
+        counts.restore(counted, ds.counted_before(stream_state) if legacy else None)
+        if isinstance(ds, MixedStream):  # another topology's parts start at passes no part has begun
+            ds.first_passes = counts.begun()
 
     @property
     def epoch(self) -> int:
@@ -211,14 +233,14 @@ class TrainFeed:
                 self._it = self._open()
             window = [next(self._it) for _ in range(self.accumulation)]
             self.slot += self.accumulation * self.sampler.global_batch
-            return window
+            return self._held(window)
         while True:
             if self._it is None:
                 self._it = self._open()
             window = list(itertools.islice(self._it, self.accumulation))
             if not self.any_rank(len(window) < self.accumulation):
                 self._index += len(window)
-                return window
+                return self._held(window)
             # some rank ran out: its epoch ends here, and so does everyone's (every rank is here)
             end = self._epoch_end(len(window))
             if self._index == 0:  # not one step in a whole epoch: the next epochs would end alike
@@ -227,6 +249,21 @@ class TrainFeed:
             self.last_epoch_batches = self._index
             self.last_epoch_end = end
             self._next_epoch()
+
+    def _held(self, window: list[Any]) -> list[Any]:
+        """A window as the loop gets it: a mixture's source tags taken off (counted when it is trained)."""
+        if self.counts is not None:
+            self.counts.held(window)
+        return window
+
+    def count_trained(self) -> None:
+        """The window last read was trained (its step taken or skipped, as `tokens_seen` counts it)."""
+        if self.counts is not None:
+            self.counts.took()
+
+    def counted(self) -> list[dict[str, Any]] | None:
+        """A mixture's counts so far, all ranks, for a checkpoint (a collective, which every rank makes here)."""
+        return None if self.counts is None else self.counts.total(self.gather)
 
     def _epoch_end(self, partial: int) -> StreamEpochEnd:
         """Every rank's account of the epoch that just ended (a collective)."""
@@ -249,11 +286,9 @@ class TrainFeed:
         return self.loader.dataset.state_dict()
 
     def sources(self) -> list[dict[str, Any]] | None:
-        """A mixture's sources as read so far: name, weight, tokens, passes (None: one source)."""
-        ds = self.loader.dataset
-        if isinstance(ds, MixedStream):  # counted per rank: a collective, which every rank makes here
-            return ds.report(self.gather)
-        return ds.report(self.slot) if isinstance(ds, MixedBlocks) else None
+        """A mixture's sources as trained so far: name, weight, blocks, tokens, passes (None: one source; a
+        collective, which every rank makes here)."""
+        return None if self.counts is None else self.counts.report(self.gather)
 
     @property
     def epoch_float(self) -> float:

@@ -25,6 +25,9 @@ from mlm_ddp.model.positions import loss_layout
 IGNORE_INDEX = -100  # label of positions that carry no loss (torch cross_entropy's ignore_index)
 TRAIN_SPLIT, EVAL_SPLIT = 0, 1
 EPOCH_KEY = "_epoch"  # a row's own epoch, when its batch may hold two (data.EpochKeyed); else `epoch`
+# a mixture's row: the index of its source (data.mixture, data.mixed_stream); its EPOCH_KEY is that source's pass.
+# The collator hands the rows' tags on as batch[SOURCE_KEY], a host array the feed takes off (data.counts)
+SOURCE_KEY = "_source"
 
 
 def sample_rng(seed: int, split: int, epoch: int, token_ids: np.ndarray) -> np.random.Generator:
@@ -94,6 +97,8 @@ class MaskingCollator:
     packed block is max_seq_length long except the last of a tokenization batch), or `pad_to` when it
     is longer (--pad_to_max_length: the same shape every batch); the loss positions of
     `positions.loss_layout`; and `padded`, a bool: whether any position of the batch is padding.
+    Rows of a mixture (they carry `SOURCE_KEY`) add `SOURCE_KEY`: (B, 3) int64 numpy, each row's source,
+    its pass and its tokens, for `data.counts`; numpy, not a tensor: it stays on the host.
     """
 
     mask_token_id: int
@@ -163,7 +168,7 @@ class MaskingCollator:
                 self.mask_replace_prob, self.random_replace_prob)
             attention[row, :n] = 1
         labels_t = torch.from_numpy(labels)
-        return {
+        batch = {
             "input_ids": torch.from_numpy(input_ids),
             "attention_mask": torch.from_numpy(attention),
             "labels": labels_t,
@@ -172,3 +177,7 @@ class MaskingCollator:
             **loss_layout(labels_t != IGNORE_INDEX),
             "padded": bool((attention == 0).any()),
         }
+        if SOURCE_KEY in examples[0]:
+            batch[SOURCE_KEY] = np.array([[e[SOURCE_KEY], e[EPOCH_KEY], len(e["input_ids"])] for e in examples],
+                                         dtype=np.int64)
+        return batch

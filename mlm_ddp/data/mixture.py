@@ -10,9 +10,13 @@ permutation(seed, pass, source)[k % blocks]. So, without any state of their own:
 - the draw is the same on every topology: it depends on the global slot only, never on rank or process;
 - a resume is exact: the checkpoint's global slot (the epoch and block the feed saves) gives every
   source's position, its pass and its place in that pass's permutation;
-- a source that runs out starts its next pass, reshuffled (`passes` counts them);
+- a source that runs out starts its next pass, reshuffled;
 - shares are exact over any window up to one block per source: unlike a seeded random draw, whose
   share over 800 blocks strays by ~1% at a weight of 0.1 (binomial sd sqrt(800 x 0.1 x 0.9) = 8.5 blocks).
+
+Each row carries its source (`SOURCE_KEY`) and pass, so that what training took of each source is counted
+from the batches it trained on (`data.counts`), not computed from this schedule: a resume may change the
+weights, and the schedule of the new ones says nothing of the steps trained with the old.
 
 Slots are shared out in proportion to weight / (mean tokens per block), so that the shares are shares of
 tokens: with packing every block holds --max_seq_length tokens (but one shorter block per tokenization
@@ -37,7 +41,7 @@ from torch.utils.data import DataLoader
 
 from mlm_ddp.config import DataConfig
 from mlm_ddp.data.epochs import EpochBatchSampler, own_generator
-from mlm_ddp.data.masking import EPOCH_KEY
+from mlm_ddp.data.masking import EPOCH_KEY, SOURCE_KEY
 from mlm_ddp.data.prepared import MANIFEST, load_prepared
 from mlm_ddp.data.text import AnyDataset, load_held_out, load_text
 from mlm_ddp.errors import BadInput
@@ -148,7 +152,7 @@ class MixedBlocks(torch.utils.data.Dataset):
         rows = []
         for slot in slots:
             source, pass_, block = self.locate(slot)
-            rows.append({**self.sources[source].blocks[block], EPOCH_KEY: pass_})
+            rows.append({**self.sources[source].blocks[block], EPOCH_KEY: pass_, SOURCE_KEY: source})
         return rows
 
     def epoch_slots(self) -> int:
@@ -157,13 +161,15 @@ class MixedBlocks(torch.utils.data.Dataset):
         return math.ceil(len(self.sources[first].blocks) * self.schedule.period / self.schedule.counts[first])
 
     def report(self, slots: int) -> list[dict[str, Any]]:
-        """What the first `slots` global slots read of each source: name, weight, tokens and passes."""
+        """What the schedule gives each source in the first `slots` global slots: name, weight, blocks, tokens and
+        passes. A plan (the start-up log's), or the counts of a checkpoint that saved none (exact if the mixture
+        did not change since): what a run trained is counted (`data.counts`)."""
         out = []
         for index, (source, k) in enumerate(zip(self.sources, self.schedule.read_before(slots).tolist(), strict=True)):
             n = len(source.blocks)
             whole, part = divmod(k, n)
             tokens = whole * source.tokens + int(source.lengths[self._order(index, whole)[:part]].sum())
-            out.append({"name": source.name, "weight": source.share, "tokens": tokens, "passes": round(k / n, 4)})
+            out.append({"name": source.name, "weight": source.share, "blocks": k, "tokens": tokens, "passes": k / n})
         return out
 
     def describe(self, slots: int) -> str:
@@ -243,7 +249,7 @@ def load_mixture(cfg: DataConfig, seed: int, tokenizer: Any) -> tuple[Mixture, A
     if cfg.validation_file is not None:
         evaluation = load_held_out(cfg)
     else:
-        evaluation = held if len(held) > 1 else next(iter(held.values()), None)
+        evaluation = held or None  # by name even when one source holds some out: it is not the whole mixture
     return Mixture(names, [w / total for w in cfg.train_weights], raw, configs), evaluation
 
 
@@ -260,6 +266,22 @@ def load_data(cfg: DataConfig, seed: int, tokenizer: Any) -> tuple[Any, AnyDatas
 def source_changes(cfg: DataConfig) -> frozenset[str]:
     """The settings a resume may change under --allow_source_changes."""
     return SOURCE_CHANGES if cfg.allow_source_changes else frozenset()
+
+
+def uncounted_note(cfg: DataConfig, state: Any, changes: dict, elastic: bool, note: str | None) -> str | None:
+    """The resume's note (`note`, if any) and, for a mixture's checkpoint that saved no per-source counts (an
+    earlier version), what summary.json's `sources` hold for the steps before it (data/feed.py: `_count_from`)."""
+    if not cfg.mixed or state.sources is not None or not state.step:
+        return note
+    if cfg.streaming and not elastic:
+        return note  # each rank's saved stream position holds its counts: exact
+    if cfg.streaming:
+        said = f"count from step {state.step}: they add up to the tokens trained since, not to tokens_seen"
+    else:
+        said = (f"up to step {state.step} are the schedule's figures"
+                + (", estimated: the mixture changed" if SOURCE_CHANGES & set(changes) else ""))
+    return "; ".join(filter(None, [note, "the checkpoint saved no per-source counts (an earlier version): "
+                                         f"summary.json's sources {said}"]))
 
 
 def sources_read_line(sources: list[dict] | None) -> str:

@@ -157,7 +157,7 @@ def train_feed(data: RankData, accumulation: int, state: Any, stream_state: dict
             return gather_rows(accelerator, values)
 
     feed = TrainFeed(data.train_loader, data.train_collator, accumulation, state.epoch, state.batch_in_epoch, ran_out,
-                     stream_state, gathered, state.block_in_epoch)
+                     stream_state, gathered, state.block_in_epoch, state.sources)
     if feed.stream and state.step < data.total_steps:  # only reading tells whether a stream fills a step
         feed.prime()  # before anything is written
     return feed

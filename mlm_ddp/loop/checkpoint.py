@@ -63,6 +63,9 @@ class TrainerState:
     block_in_epoch: int | None = None
     layout_batch: int | None = None
     precision: str | None = None  # the mixed precision the job trained in ("no", "bf16", "fp16"); None: older
+    # a mixture's: each source's name, blocks, tokens and passes trained so far, all ranks (data/counts.py); None:
+    # one source, or a checkpoint older than these counts
+    sources: list[dict] | None = None
 
 
 def checkpoints_dir(output_dir: str | Path) -> Path:

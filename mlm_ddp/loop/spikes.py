@@ -98,7 +98,7 @@ class LossSpikes:
             return None
         checkpointer.restore(latest, {}, saved.step)
         feed.seek(saved.epoch, saved.batch_in_epoch, saved.block_in_epoch,
-                  None if feed.sampler is not None else ckpt.read_data_state(latest, rank))
+                  None if feed.sampler is not None else ckpt.read_data_state(latest, rank), saved.sources)
         log.rewind(saved.step, saved.tokens_seen)
         self.spiked_windows.add(window_key(at))
         self.counts["rolled_back"] += 1

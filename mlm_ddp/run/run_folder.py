@@ -84,7 +84,7 @@ class Start:
     own_checkpoint: bool = False  # resume_from lies in --output_dir (not another run's folder)
     accepted_changes: dict = field(default_factory=dict)  # settings the checkpoint was written with that change
     written_by: int = 0  # processes that wrote resume_from (this run's when starting afresh)
-    note: str | None = None  # what a stream resumed on another number of processes skips
+    note: str | None = None  # what a stream resumed on another number of processes skips; what older counts hold
 
     @property
     def elastic(self) -> bool:
@@ -284,6 +284,7 @@ class RunFolder:
         written_by, note = state.world_size, None
         if data.streaming and written_by != world_size:
             state, note = elastic_stream_start(path, state, world_size, stream_bytes())
+        note = mdata.uncounted_note(data, state, changes, written_by != world_size, note)
         return Start(state, world_size, path, clear_earlier, own, changes, written_by, note)
 
     def _folder_plan(self) -> FolderPlan:
