@@ -121,12 +121,11 @@ def test_the_timed_steps_wait_for_the_device_where_the_programs_they_stand_for_d
 
     def caller() -> str:
         """Where a wait was made: 'host' where the stack passes through host work (the collators: transformers'
-        and mlm_ddp's, HOST_SIDE; torch's default AdamW, whose step counts stay on the host), else the file of
-        the innermost frame (under mlm_ddp/, or the library's: transformers/masking_utils.py)."""
+        and mlm_ddp's, tests/test_syncs.HOST_SIDE; torch's default AdamW, whose step counts stay on the host), else
+        the file of the innermost frame (under mlm_ddp/, or the library's: transformers/masking_utils.py)."""
         stack = [f.filename for f in traceback.extract_stack()
                  if f.filename != __file__ and not any(m in f.filename for m in machinery)]
-        ours = [f.rsplit("/mlm_ddp/", 1)[1] for f in stack if "/mlm_ddp/" in f]
-        if any("/transformers/data/" in f or "/torch/optim/" in f for f in stack) or ours[-1].startswith(HOST_SIDE):
+        if any("/transformers/data/" in f or "/torch/optim/" in f or any(h in f for h in HOST_SIDE) for f in stack):
             return "host"
         return stack[-1].rsplit("/mlm_ddp/", 1)[1] if "/mlm_ddp/" in stack[-1] else stack[-1].rsplit("-packages/")[-1]
 
