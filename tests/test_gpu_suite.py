@@ -72,6 +72,19 @@ def test_without_datasets_the_gpu_suite_says_which_wheels_to_bring(tmp_path: Pat
     assert re.fullmatch(r"\d+ skipped in .*", summary), summary  # no error, nothing ran
 
 
+def test_with_cuda_a_package_that_fails_to_import_fails_the_suite(tmp_path: Path) -> None:
+    """On a machine with CUDA (the conftest's seam, MLM_DDP_GPU_SUITE_ASSUME_CUDA, on this CPU), `datasets`
+    unimportable fails the run and names it. Before issue 57 every GPU test skipped and pytest exited 0: a
+    broken GPU environment reported green. Without CUDA the suite skips (every CPU run of tests/, and the dry
+    run above)."""
+    env = hide(tmp_path / "hidden", (*ABSENT_ON_A_GPU_IMAGE, "datasets"))
+    del env["MLM_DDP_GPU_SUITE_ON_CPU"]
+    proc = pytest_run({**env, "MLM_DDP_GPU_SUITE_ASSUME_CUDA": "1"}, "-q", timeout=300)
+    assert proc.returncode == 4, proc.stdout[-3000:] + proc.stderr[-3000:]  # pytest.ExitCode.USAGE_ERROR
+    assert ("CUDA is here, but the GPU suite cannot run: `datasets` cannot be imported (ModuleNotFoundError: "
+            "datasets is hidden: not on a GPU image)") in proc.stderr, proc.stderr[-3000:]
+
+
 def test_with_a_dependency_of_datasets_broken_the_skip_names_the_import_error_and_the_conflict(tmp_path: Path
                                                                                           ) -> None:
     """fsspec unimportable, and a version of it that datasets does not accept: before, the suite skipped
