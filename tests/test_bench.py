@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -33,12 +34,13 @@ def test_flops_per_token_counts_every_linear_layer_of_the_model() -> None:
 
 
 def test_bench_runs_both_recipes_and_prints_one_json_line(tiny_model: Path, capsys) -> None:
-    assert main(["--model", str(tiny_model), "--seq", "32", "--batch", "4", "--steps", "1", "--repeats", "2",
-                 "--warmup", "0", "--eval_blocks", "4", "--profile"]) == 0
+    # 10 steps at 3e-3: enough to move the held-out perplexity well beyond the gap between the recipes (below)
+    assert main(["--model", str(tiny_model), "--seq", "32", "--batch", "4", "--steps", "5", "--repeats", "2",
+                 "--warmup", "0", "--eval_blocks", "32", "--learning_rate", "3e-3", "--profile"]) == 0
     out = capsys.readouterr().out
     assert "| (a) transformers recipe |" in out and "| (b) mlm_ddp |" in out and "aten::" in out
     result = json.loads(out.strip().splitlines()[-1])
-    assert result["trained_tokens"] == 2 * 4 * 32
+    assert result["trained_tokens"] == 10 * 4 * 32
     for key in ("hf", "mlm_ddp"):
         r = result[key]
         assert r["tokens_per_s"] > 0 and 0 < r["mfu"] and r["perplexity"] > 1
@@ -59,8 +61,17 @@ def test_bench_runs_both_recipes_and_prints_one_json_line(tiny_model: Path, caps
     config = AutoConfig.from_pretrained(tiny_model)
     assert result["hf"]["flops_per_token"] == training_flops_per_token(config, 32, 1.0)
     assert result["mlm_ddp"]["flops_per_token"] < result["hf"]["flops_per_token"]
-    # the same start, the same data: after two small steps the two models are still close
-    assert abs(result["perplexity_ratio"] - 1) < 0.05
+    # Both recipes learn, and alike. They are not one arithmetic, so no roundoff bound applies: their masks come
+    # from different collators (transformers' from torch's generator, mlm_ddp's per block from its seed), (b)
+    # clips the gradient norm and runs its head on the masked positions only. Measured here (seeds 0 and 1): 10
+    # steps at 3e-3 lower the held-out log-perplexity by 0.31-0.36 from ~605 (at 1e-4, 2 steps, the old test's
+    # setting: by 0.0007, below the noise), and (a) and (b) end 0.012-0.040 apart. The gap's bound, 0.1, is 2.5x
+    # the largest gap seen and a third of the smallest drop: a (b) that never steps ends a whole drop (~0.31) from
+    # (a), and fails both checks (issue 57).
+    start = result["perplexity_start"]
+    drops = {key: math.log(start / result[key]["perplexity"]) for key in ("hf", "mlm_ddp")}
+    gap = math.log(result["perplexity_ratio"])
+    assert min(drops.values()) > 0.2 and abs(gap) < 0.1, (drops, gap)
 
 
 @pytest.mark.parametrize(("candidate", "seconds_b"), [
@@ -121,12 +132,11 @@ def test_the_timed_steps_wait_for_the_device_where_the_programs_they_stand_for_d
 
     def caller() -> str:
         """Where a wait was made: 'host' where the stack passes through host work (the collators: transformers'
-        and mlm_ddp's, HOST_SIDE; torch's default AdamW, whose step counts stay on the host), else the file of
-        the innermost frame (under mlm_ddp/, or the library's: transformers/masking_utils.py)."""
+        and mlm_ddp's, tests/test_syncs.HOST_SIDE; torch's default AdamW, whose step counts stay on the host), else
+        the file of the innermost frame (under mlm_ddp/, or the library's: transformers/masking_utils.py)."""
         stack = [f.filename for f in traceback.extract_stack()
                  if f.filename != __file__ and not any(m in f.filename for m in machinery)]
-        ours = [f.rsplit("/mlm_ddp/", 1)[1] for f in stack if "/mlm_ddp/" in f]
-        if any("/transformers/data/" in f or "/torch/optim/" in f for f in stack) or ours[-1].startswith(HOST_SIDE):
+        if any("/transformers/data/" in f or "/torch/optim/" in f or any(h in f for h in HOST_SIDE) for f in stack):
             return "host"
         return stack[-1].rsplit("/mlm_ddp/", 1)[1] if "/mlm_ddp/" in stack[-1] else stack[-1].rsplit("-packages/")[-1]
 

@@ -3,10 +3,11 @@ a parsing bug in tests/gpu is found here and not in the few minutes a GPU is at 
 
 It runs as an offline GPU machine would: without the packages such an image lacks and mlm_ddp's training
 does not need (the 83.5 MB pretrained model package, submitit, evaluate), each made unimportable by a
-module of that name first on the path that raises ImportError. Then, with `datasets` hidden too, the suite
-collects and skips with the wheels to bring instead of erroring; and with a dependency of `datasets` hidden
-and another version of it installed (what a `--no-deps` install beside an older image gives), the skip names
-the import's own error and the version conflict (issue 46, finding 4)."""
+module of that name first on the path that raises ImportError. Then, with `datasets` hidden too and CUDA
+simulated as present, the run fails at collection and names the wheels to bring (issue 57: it skipped green);
+and in the dry run, with a dependency of `datasets` hidden and another version of it installed (what a
+`--no-deps` install beside an older image gives), the suite skips and names the import's own error and the
+version conflict (issue 46, finding 4)."""
 
 from __future__ import annotations
 
@@ -63,13 +64,19 @@ def test_the_gpu_suite_dry_runs_on_the_cpu_without_what_a_gpu_image_lacks(tmp_pa
                      r"the dry run$", proc.stdout, re.MULTILINE), tail
 
 
-def test_without_datasets_the_gpu_suite_says_which_wheels_to_bring(tmp_path: Path) -> None:
-    proc = pytest_run(hide(tmp_path / "hidden", (*ABSENT_ON_A_GPU_IMAGE, "datasets")), "-q", timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert ("`datasets` cannot be imported (ModuleNotFoundError: datasets is hidden: not on a GPU image). "
-            "docs/gpu.md lists the wheels to bring") in proc.stdout, proc.stdout[-3000:]
-    summary = proc.stdout.strip().splitlines()[-1]
-    assert re.fullmatch(r"\d+ skipped in .*", summary), summary  # no error, nothing ran
+def test_with_cuda_a_package_that_fails_to_import_fails_the_suite(tmp_path: Path) -> None:
+    """On a machine with CUDA (the conftest's seam, MLM_DDP_GPU_SUITE_ASSUME_CUDA, on this CPU), `datasets`
+    unimportable fails the run and names it. Before issue 57 every GPU test skipped and pytest exited 0: a
+    broken GPU environment reported green. Without CUDA the suite skips (every CPU run of tests/, and the dry
+    run above; tests/test_gpu_suite's fsspec case: the dry run's skip, exit 0). The reason names the wheels to
+    bring (this test replaced issue 46's dry-run skip without `datasets`, whose reason is the same line)."""
+    env = hide(tmp_path / "hidden", (*ABSENT_ON_A_GPU_IMAGE, "datasets"))
+    del env["MLM_DDP_GPU_SUITE_ON_CPU"]
+    proc = pytest_run({**env, "MLM_DDP_GPU_SUITE_ASSUME_CUDA": "1"}, "-q", timeout=300)
+    assert proc.returncode == 4, proc.stdout[-3000:] + proc.stderr[-3000:]  # pytest.ExitCode.USAGE_ERROR
+    assert ("CUDA is here, but the GPU suite cannot run: `datasets` cannot be imported (ModuleNotFoundError: "
+            "datasets is hidden: not on a GPU image). docs/gpu.md lists the wheels to bring") in proc.stderr, \
+        proc.stderr[-3000:]
 
 
 def test_with_a_dependency_of_datasets_broken_the_skip_names_the_import_error_and_the_conflict(tmp_path: Path

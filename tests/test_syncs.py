@@ -3,8 +3,13 @@ operations that would sync on a CUDA device. A torch dispatch mode sees every at
 loop (`train.fit`, forward and backward included): scalar reads (`.item()`, `int()`, `bool()`:
 aten._local_scalar_dense, is_nonzero), data-dependent shapes (nonzero, masked_select, indexing or
 index_put with a boolean mask); `.tolist()`, which a dispatch mode does not see on a CPU, is counted by
-a TorchFunctionMode. The collator's work (data/masking.py, model/positions.py, the data package) is left out: on a GPU
-run it runs on the host, before the batch is copied to the device. The heartbeat says which step each count belongs to.
+a TorchFunctionMode. What the loader does is left out, and only that: torch's DataLoader (its sampler, its
+base seed, the collate function it calls) and the masking collator (data/masking.py, with model/positions.py
+under it), found anywhere on the stack. On a GPU run that work is done on host tensors (in numpy, or in
+DataLoader workers) before the batch is copied to the device, so a scalar read there waits for nothing.
+Everything else is counted, data/ included: `data.rank.to_device`, the copy onto the device, and the feed's
+own code outside the loader's iteration. Before issue 57 every frame under data/ was left out, to_device
+with it. The heartbeat says which step each count belongs to.
 
 The budget: exactly one wait for the device per optimizer step on the steps that neither log, evaluate
 nor save (the all-reduce of the step's masked tokens and stop votes, read once). Tensors made on the device
@@ -39,12 +44,19 @@ BOOLEAN_INDEXED = ("aten.index.Tensor", "aten.index_put.default", "aten.index_pu
 SYNC_BUDGET = 1
 
 
-HOST_SIDE = ("data/", "model/positions.py")  # the collator (data/masking.py) and the loaders: host tensors
+# frames (filename substrings) of the loader's host work: torch's DataLoader and the masking collator (called by
+# the DataLoader in training, directly by the bench); a wait is theirs where any frame of its stack is one of these
+HOST_SIDE = ("/torch/utils/data/", "/mlm_ddp/data/masking.py")
 
 
-def place() -> str:
-    """The innermost mlm_ddp line on the stack, as its path under mlm_ddp/ (data/epochs.py:12)."""
-    frames = [f for f in traceback.extract_stack() if "/mlm_ddp/" in f.filename]
+def host_side(stack: traceback.StackSummary) -> bool:
+    """Whether `stack` passes through the loader's host work (HOST_SIDE)."""
+    return any(part in frame.filename for frame in stack for part in HOST_SIDE)
+
+
+def place(stack: traceback.StackSummary) -> str:
+    """The innermost mlm_ddp line of `stack`, as its path under mlm_ddp/ (data/rank.py:12)."""
+    frames = [f for f in stack if "/mlm_ddp/" in f.filename]
     return f"{frames[-1].filename.rsplit('/mlm_ddp/', 1)[1]}:{frames[-1].lineno}" if frames else "?"
 
 
@@ -57,8 +69,8 @@ class CountSyncs(TorchDispatchMode):
         name = str(func)
         syncs = name in SCALAR_READS or name in DATA_DEPENDENT or (
             name in BOOLEAN_INDEXED and any(i is not None and i.dtype == torch.bool for i in args[1]))
-        if syncs and not place().startswith(HOST_SIDE):
-            self.seen.append(f"{name.removeprefix('aten.')} {place()}")
+        if syncs and not host_side(stack := traceback.extract_stack()):
+            self.seen.append(f"{name.removeprefix('aten.')} {place(stack)}")
         return func(*args, **(kwargs or {}))
 
 
@@ -75,12 +87,10 @@ class CountCopies(TorchFunctionMode):
         self.copies, self.syncs = copies, syncs
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if not place().startswith(HOST_SIDE):
-            data = args[1] if func is torch.Tensor.new_tensor else args[0] if args else None
-            if func in self.FROM_DATA and not isinstance(data, torch.Tensor):
-                self.copies.append(f"{func.__name__} {place()}")
-            elif func is torch.Tensor.tolist:
-                self.syncs.append(f"tolist {place()}")
+        data = args[1] if func is torch.Tensor.new_tensor else args[0] if args else None
+        copy = func in self.FROM_DATA and not isinstance(data, torch.Tensor)
+        if (copy or func is torch.Tensor.tolist) and not host_side(stack := traceback.extract_stack()):
+            (self.copies if copy else self.syncs).append(f"{'tolist' if not copy else func.__name__} {place(stack)}")
         return func(*args, **(kwargs or {}))
 
 
@@ -178,6 +188,17 @@ def test_no_step_and_no_evaluation_batch_copies_python_data_to_the_device(counte
     assert len(seen) == 1
 
 
+def test_the_loaders_host_work_is_left_out_and_nothing_else() -> None:
+    """A scalar read inside a DataLoader's collate function is host work (HOST_SIDE) and is left out; the same
+    read after the loader, on the batch it gave, counts."""
+    seen: list[str] = []
+    with CountSyncs(seen):
+        loader = torch.utils.data.DataLoader([1, 2], batch_size=2, collate_fn=lambda b: torch.tensor(b).sum().item())
+        assert list(loader) == [3] and seen == [], seen
+        torch.tensor([1, 2]).sum().item()
+    assert len(seen) == 1, seen
+
+
 def short_text(root: Path, paragraphs: int = 4) -> Path:
     """The first `paragraphs` of the corpus: a packed epoch of fewer blocks than one optimizer step reads
     (batch 8, accumulation 2), so that every step reads the short block of the epoch, padded."""
@@ -226,13 +247,16 @@ def test_no_family_reads_its_attention_mask_back(kind: str, padded: bool) -> Non
     (transformers builds a full and a sliding-window mask from the 2-D one, each reading
     `padding_mask.all()`), DeBERTa-v2 1 per unpadded batch (given no mask, transformers looks for padding
     in the first and last ids). The 2-D mask of a padded BERT batch is counted, so the mode sees the read."""
+    from mlm_ddp.data.masking import IGNORE_INDEX
     from mlm_ddp.model.loading import MaskedLMLoss
+    from mlm_ddp.model.positions import loss_layout
     from tests.test_model import batch, tiny
 
     net = MaskedLMLoss(tiny(kind).train())
     b = batch(3)
     if not padded:
         b["attention_mask"] = torch.ones_like(b["attention_mask"])
+    b.update(loss_layout(b["labels"] != IGNORE_INDEX))  # as the collator gives them: found on the host
     seen: list[str] = []
     with CountSyncs(seen):
         net(**b, padded=padded)[0].backward()
