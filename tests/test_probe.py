@@ -27,9 +27,9 @@ import torch
 
 from mlm_ddp.errors import BadInput
 from mlm_ddp.probe.compare import change, describe_change, weighted_scores
+from mlm_ddp.probe.config import ProbeConfig
 from mlm_ddp.probe.features import Pooling, encode, finetune_source, load_encoder, pool
 from mlm_ddp.probe.standalone import (
-    ProbeConfig,
     check_probe_data,
     load_probe_data,
     main,

@@ -11,12 +11,11 @@ where there are several seeds the seeds too, and the change is recomputed on eac
 from __future__ import annotations
 
 import hashlib
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
-if TYPE_CHECKING:
-    from mlm_ddp.probe.standalone import ProbeConfig
+from mlm_ddp.probe.config import ProbeConfig
 
 RESAMPLES = 1000  # bootstrap draws of the change's interval
 BOOTSTRAP_SEED = 0  # the draws are seeded: the same figures give the same interval

@@ -38,7 +38,8 @@ from mlm_ddp.cluster.durable import write_atomic
 from mlm_ddp.config import Config, RunConfig
 from mlm_ddp.errors import BadInput
 from mlm_ddp.probe.compare import change, describe_change, differences, settings
-from mlm_ddp.probe.standalone import ProbeConfig, ProbeData, check_probe_data, load_probe_data, probe
+from mlm_ddp.probe.config import ProbeConfig
+from mlm_ddp.probe.standalone import ProbeData, check_probe_data, load_probe_data, probe
 from mlm_ddp.run.run_folder import BEST_PROBE, RunFolder, replace_folder
 
 logger = get_logger(__name__)
