@@ -352,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
     except BadInput as err:
         sys.stderr.write(err.line(PROG) + "\n")  # one write: the line arrives whole
         return err.exit_code
-    # each model after the first against the first: paired, with the interval of a paired bootstrap
+    # each model after the first against the first: paired, with its 95% interval over test texts and seeds
     first, *others = positional.models
     changes = {name: change(results[first], results[name], data.test_labels) for name in others}
     print(format_table(results))

@@ -231,7 +231,7 @@ def add_to_card(final: Path, probed: dict[str, Any] | None, cfg: RunConfig, is_m
                "| model | accuracy | macro-F1 | majority class |\n| --- | ---: | ---: | ---: |\n"
                + "\n".join(rows) + "\n"
                + (f"\nThe change after - before, paired (the same subsamples, seeds and test texts), with the 95% "
-                  f"interval of a paired bootstrap over the test texts and seeds: {describe_change(probed['change'])}"
+                  f"interval over the test texts and seeds: {describe_change(probed['change'])}"
                   ".\n" if probed.get("change") else ""))
     write_atomic(card, card.read_text() + section)
 
