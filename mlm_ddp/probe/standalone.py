@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import statistics
 import sys
 import tempfile
 import warnings
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -47,7 +49,8 @@ from mlm_ddp.probe.features import (
 )
 
 PROG = "mlm_ddp.probe"
-MAX_LABELS = 1000  # more distinct labels than this (or than half the rows) is a text column, not classes
+WRITTEN_AS_FLOAT = re.compile(r"-?\d+\.0+")  # a csv cell as pandas writes a whole number of a float column
+OWN_LABEL = 0.9  # a column in which more rows than this carry a label of their own, in both files, is not classes
 LOGREG_MAX_ITER = 1000  # MTEB's 100 can stop lbfgs short of the optimum on 384-768 features; 1000 converges
 MTEB_MAX_ITER = 100  # MTEB's LogisticRegression(max_iter=100), no scaler
 SHOWN = 5  # unseen labels named in the message
@@ -67,12 +70,26 @@ class ProbeData:
 
 
 def as_written(label: Any) -> str | None:
-    """A label as the file wrote it, as a string ("01" stays "01"; 1 becomes "1"); None where there is none (a
-    missing value, a NaN, an empty cell)."""
+    """A label as a string: a string as written ("01" stays "01", "1.0" stays "1.0"); a number as its value, a whole
+    one as the integer (1 and 1.0 are both "1": parquet holds an integer column that one missing value made
+    float as 0.0, 1.0, NaN, and JSON does not tell 1.0 from 1); None where there is none (a missing value, a NaN,
+    an empty cell)."""
     if label is None or (isinstance(label, float) and math.isnan(label)):
         return None
+    if isinstance(label, float) and label.is_integer():
+        return str(int(label))
     text = label if isinstance(label, str) else str(label)
     return text if text.strip() else None
+
+
+def whole_numbers(labels: list[str | None]) -> list[str | None]:
+    """A csv's labels, read as written unless every one is a whole number with a decimal point ("0.0", "1.0"):
+    that is how pandas writes an integer column that one missing value made float, so they are the integers.
+    One "1.5" or "yes" among them and the column is read as written."""
+    given = [label for label in labels if label is not None]
+    if not given or not all(WRITTEN_AS_FLOAT.fullmatch(label) for label in given):
+        return labels
+    return [None if label is None else str(int(label.partition(".")[0])) for label in labels]
 
 
 class Records:
@@ -127,7 +144,7 @@ def read_split(cfg: ProbeConfig, split: Literal["train", "test"]) -> tuple[list[
         if name not in splits:
             raise BadInput(f"dataset {cfg.dataset_name!r} has no split {name!r}; splits found: {', '.join(splits)}. "
                            f"Pass --{split}_split with one of them.")
-        ds = splits[name]
+        ds, cells_are_text = splits[name], False  # datasets reads each column with its type
     else:
         path = cfg.train_file if split == "train" else cfg.test_file
         if path is None:
@@ -136,6 +153,7 @@ def read_split(cfg: ProbeConfig, split: Literal["train", "test"]) -> tuple[list[
         flag = where = f"--{split}_file {path}"
         builder = _builder_for(path, f"--{split}_file")  # a missing or empty file is named here
         ds = load_file(builder, path, cfg, flag)
+        cells_are_text = builder == "csv"
     check_columns(ds.column_names, cfg.text_column, where)
     if cfg.label_column not in ds.column_names:
         raise BadInput(f"{where}: no label column {cfg.label_column!r}; columns found: {', '.join(ds.column_names)}. "
@@ -148,6 +166,7 @@ def read_split(cfg: ProbeConfig, split: Literal["train", "test"]) -> tuple[list[
         raise BadInput(f"{where}: column {cfg.label_column!r} holds {type(odd[0]).__name__} values; the probe takes "
                        "one class label (a string or an integer) per text")
     labels = [as_written(label) for label in raw]
+    labels = whole_numbers(labels) if cells_are_text else labels
     texts = ["" if text is None else str(text) for text in ds[cfg.text_column]]
     unlabeled = [row for row, label in enumerate(labels, 1) if label is None]
     empty = [row for row, text in enumerate(texts, 1) if not text.strip() and labels[row - 1] is not None]
@@ -189,30 +208,47 @@ def read(load: Any, flag: str) -> dict:
             enable_progress_bars()
 
 
+def shown(label: str) -> str:
+    """A label for a message: its repr, a long one cut (a column of texts given as the labels)."""
+    return repr(label) if len(label) <= 40 else repr(label[:37]) + "..."
+
+
+def same_number(one: str, other: str) -> bool:
+    """Whether two labels that differ as written are one number ("1" and "1.0", "01" and "1")."""
+    try:
+        return float(one) == float(other)
+    except ValueError:
+        return False
+
+
 def load_probe_data(cfg: ProbeConfig) -> ProbeData:
     """Both splits, read and checked; every problem a one-line BadInput. No model is loaded."""
     train_texts, train_labels, train_where, train_note = read_split(cfg, "train")
     test_texts, test_labels, test_where, test_note = read_split(cfg, "test")
-    counts: dict[Any, int] = {}
-    for label in train_labels:
-        counts[label] = counts.get(label, 0) + 1
-    limit = min(MAX_LABELS, len(train_labels) / 2)
-    if len(counts) > limit:
-        raise BadInput(f"{train_where}: column {cfg.label_column!r} has {len(counts)} distinct values in "
-                       f"{len(train_labels)} rows (more than min({MAX_LABELS}, half the rows)): free text, not class "
-                       "labels. Pass --label_column with the column of classes.")
+    counts = Counter(train_labels)
     if len(counts) == 1:
         raise BadInput(f"{train_where}: every row has the label {next(iter(counts))!r}: a classifier needs at "
                        f"least two labels; check --label_column {cfg.label_column!r}")
+    test_counts = Counter(test_labels)
+    own = [sum(n == 1 for n in c.values()) / sum(c.values()) for c in (counts, test_counts)]
+    if min(own) > OWN_LABEL:  # a few-shot training file (many labels, few rows each) is fine: its test file repeats
+        raise BadInput(f"column {cfg.label_column!r} gives nearly every row a label of its own ({len(counts)} distinct "
+                       f"values in {len(train_labels)} rows of {train_where}, {len(test_counts)} in "
+                       f"{len(test_labels)} rows of {test_where}): free text or an identifier, not classes. Pass "
+                       "--label_column with the column of classes.")
     classes = sorted(counts)
     number = {label: k for k, label in enumerate(classes)}
     unseen = sorted({label for label in test_labels if label not in number}, key=repr)
     if unseen:
         more = f" (and {len(unseen) - SHOWN} more)" if len(unseen) > SHOWN else ""
-        raise BadInput(f"{test_where}: labels not in the training set: {', '.join(map(repr, unseen[:SHOWN]))}{more}; "
-                       f"the training labels are {', '.join(map(repr, classes[:SHOWN]))}"
+        alike = [f"{shown(label)} and {shown(twin)}" for label in unseen[:SHOWN] for twin in classes
+                 if same_number(label, twin)]
+        raise BadInput(f"{test_where}: labels not in the training set: {', '.join(map(shown, unseen[:SHOWN]))}{more}; "
+                       f"the training labels are {', '.join(map(shown, classes[:SHOWN]))}"
                        f"{' ...' if len(classes) > SHOWN else ''}. A classifier cannot predict a class it never saw: "
-                       "add examples of them to the training set or drop them from the test set.")
+                       "add examples of them to the training set or drop them from the test set."
+                       + (f" ({'; '.join(alike[:SHOWN])} are one number written two ways: a label written as text "
+                          "is read as written, so write them alike)" if alike else ""))
     return ProbeData(train_texts, np.array([number[v] for v in train_labels], dtype=np.int64),
                      test_texts, np.array([number[v] for v in test_labels], dtype=np.int64), classes,
                      [note for note in (train_note, test_note) if note])
