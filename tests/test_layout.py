@@ -4,8 +4,10 @@ functions too), and the arrows between its folders run one way.
 Floors, lowest first: `errors` < cluster/ < config/ < model/ < data/ < loop/ < probe/ < run/ < the entry
 points (the top-level modules users run, `train.py` the one that wires a run). A module may import its
 own folder, a lower floor, and `errors`; never a higher floor, never an entry point (only entry points
-may import those). Imports under `if TYPE_CHECKING:` never run, so they cannot close an import-time
-cycle; they still keep the floors.
+may import those). Imports under `if TYPE_CHECKING:` never run, but they count: a cycle closed by one is
+still two modules that cannot be read apart, and it becomes an import-time cycle the day someone needs the
+name at run time (a dataclass field, `typing.get_type_hints`, HfArgumentParser reading annotations). The
+shared type moves to a module both import (as `ProbeConfig` moved to probe/config.py, issue 55).
 """
 
 from __future__ import annotations
@@ -132,10 +134,14 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 
 def violations(graph: dict[str, dict[str, bool]]) -> list[str]:
-    """What the layout refuses, one line each: module cycles (imports that run), folder cycles, arrows
-    down-to-up between floors, the named rules, a package module importing an entry point."""
-    out = [f"module cycle: {' <-> '.join(group)}"
-           for group in cycles({m: {t for t, runs in ts.items() if runs} for m, ts in graph.items()})]
+    """What the layout refuses, one line each: module cycles (type-only imports included, and named where
+    one closes the cycle), folder cycles, arrows down-to-up between floors, the named rules, a package module
+    importing an entry point."""
+    at_run_time = cycles({m: {t for t, runs in ts.items() if runs} for m, ts in graph.items()})
+    out = [f"module cycle: {' <-> '.join(group)}" + ("" if group in at_run_time else
+                                                       " (closed by an import under TYPE_CHECKING: move the type "
+                                                       "they share to a module both import)")
+           for group in cycles({m: set(ts) for m, ts in graph.items()})]
     folders: dict[str, set[str]] = {}
     for module, targets in graph.items():
         for target in targets:
@@ -176,12 +182,34 @@ def test_the_check_fails_on_a_bad_import() -> None:
                      "mlm_ddp.probe.features imports the entry point mlm_ddp.predict",
                      "module cycle: ", "mlm_ddp.cluster.durable <-> ", "folder cycle: "]:
         assert expected in found, (expected, found)
-    # a type-only import closes no import-time cycle, but still keeps the floors
+    # a type-only import keeps the floors, and closes a cycle too (issue 55: probe/compare.py and
+    # probe/standalone.py once imported each other, one side under TYPE_CHECKING)
     typing_only = {m: dict(t) for m, t in graph.items()}
     typing_only["mlm_ddp.cluster.durable"]["mlm_ddp.cluster.watchdog"] = False
-    assert violations(typing_only) == []
+    cycle = [line for line in violations(typing_only) if line.startswith("module cycle: ")]
+    assert len(cycle) == 1 and "mlm_ddp.cluster.durable <-> " in cycle[0] and "mlm_ddp.cluster.watchdog" in cycle[0]
+    assert cycle[0].endswith("(closed by an import under TYPE_CHECKING: move the type they share to a module both "
+                             "import)"), cycle
+    typing_only = {m: dict(t) for m, t in graph.items()}
     typing_only["mlm_ddp.cluster.durable"]["mlm_ddp.run.hub"] = False
-    assert violations(typing_only)
+    floors = violations(typing_only)
+    assert "mlm_ddp.cluster.durable (cluster/) imports mlm_ddp.run.hub (run/), a higher floor" in floors, floors
+
+
+def test_a_cycle_through_a_type_only_import_is_found_in_the_source(tmp_path: Path) -> None:
+    """Two modules of one folder, read from their source: one imports the other at run time, the other imports it
+    back under `if TYPE_CHECKING:` (what probe/compare.py did to probe/standalone.py for ProbeConfig). The walk
+    reads the typing-only import as one, and the layout names the cycle."""
+    (tmp_path / "compare.py").write_text("from __future__ import annotations\nfrom typing import TYPE_CHECKING\n\n"
+                                         "if TYPE_CHECKING:\n    from mlm_ddp.probe.standalone import ProbeConfig\n")
+    (tmp_path / "standalone.py").write_text("from mlm_ddp.probe.compare import change\n")
+    known = set(modules())
+    graph = {name: imports_of(name, tmp_path / f"{name.rpartition('.')[2]}.py", known)
+             for name in ("mlm_ddp.probe.compare", "mlm_ddp.probe.standalone")}
+    assert graph == {"mlm_ddp.probe.compare": {"mlm_ddp.probe.standalone": False},
+                     "mlm_ddp.probe.standalone": {"mlm_ddp.probe.compare": True}}
+    assert violations(graph) == ["module cycle: mlm_ddp.probe.compare <-> mlm_ddp.probe.standalone (closed by an "
+                                 "import under TYPE_CHECKING: move the type they share to a module both import)"]
 
 
 def test_lazy_and_relative_imports_are_read(tmp_path: Path) -> None:

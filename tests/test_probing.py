@@ -17,7 +17,8 @@ import pytest
 
 from mlm_ddp.config import parse_args
 from mlm_ddp.errors import BadInput
-from mlm_ddp.probe.standalone import ProbeConfig, load_probe_data, probe
+from mlm_ddp.probe.config import ProbeConfig
+from mlm_ddp.probe.standalone import load_probe_data, probe
 from mlm_ddp.run.probing import held_out
 from mlm_ddp.train import main, train
 from tests.conftest import CONFIGS, LAUNCH, free_port, read_metrics, run_module, tiny_args

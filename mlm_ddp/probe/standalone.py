@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import statistics
 import sys
 import tempfile
 import warnings
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -30,10 +32,11 @@ import numpy as np
 import torch
 from transformers import HfArgumentParser, PreTrainedModel
 
-from mlm_ddp.config import _doc, parse_exactly
+from mlm_ddp.config import parse_exactly
 from mlm_ddp.data.text import _builder_for, _load, check_columns
 from mlm_ddp.errors import BadInput, say
 from mlm_ddp.probe.compare import change, describe_change, settings
+from mlm_ddp.probe.config import ProbeConfig
 from mlm_ddp.probe.features import (
     FinetuneRecipe,
     Pooling,
@@ -46,76 +49,11 @@ from mlm_ddp.probe.features import (
 )
 
 PROG = "mlm_ddp.probe"
-MAX_LABELS = 1000  # more distinct labels than this (or than half the rows) is a text column, not classes
+WRITTEN_AS_FLOAT = re.compile(r"-?\d+\.0+")  # a csv cell as pandas writes a whole number of a float column
+OWN_LABEL = 0.9  # a column in which more rows than this carry a label of their own, in both files, is not classes
 LOGREG_MAX_ITER = 1000  # MTEB's 100 can stop lbfgs short of the optimum on 384-768 features; 1000 converges
-MTEB = {"max_train_per_label": 8, "seeds": 10}  # MTEB's samples_per_label and n_experiments
 MTEB_MAX_ITER = 100  # MTEB's LogisticRegression(max_iter=100), no scaler
-FINETUNE_SEEDS = 3  # finetune's default seeds: each is a whole fine-tune
 SHOWN = 5  # unseen labels named in the message
-
-
-@dataclass
-class ProbeConfig:
-    """The labeled task and how to probe with it. Defaults: every labeled training text, a logistic regression
-    run to convergence on standardised features (linear; --protocol mteb: MTEB's protocol exactly) and
-    BERT's GLUE recipe (finetune, Devlin et al. 2019, section 4.1 and appendix A.3). After __post_init__,
-    max_train_per_label and seeds hold the values used."""
-
-    train_file: str | None = _doc("Labeled training texts: a csv, json, jsonl or parquet file.", default=None)
-    test_file: str | None = _doc("Labeled test texts, scored whole: a csv, json, jsonl or parquet file.",
-                                 default=None)
-    dataset_name: str | None = _doc("Instead of the files: a `datasets` name or local dataset folder (read "
-                                    "offline where it is cached) with --train_split and --test_split.", default=None)
-    dataset_config_name: str | None = _doc("The dataset's configuration, if it has several.", default=None)
-    train_split: str = _doc("--dataset_name's split to train on.", default="train")
-    test_split: str = _doc("--dataset_name's split to score.", default="test")
-    text_column: str = _doc("Column holding the texts.", default="text")
-    label_column: str = _doc("Column holding the class labels (strings or integers).", default="label")
-    protocol: Literal["default", "mteb"] = _doc(
-        "default: every labeled training text (or --max_train_per_label), standardised features, a logistic "
-        "regression run to convergence (max_iter 1000). mteb: MTEB's classification protocol exactly (linear "
-        "only): 8 texts per label, 10 experiments, a plain LogisticRegression(max_iter=100) on the raw features.",
-        default="default")
-    max_train_per_label: int | None = _doc(
-        "A cap: at most this many training texts per label in each seed's subsample, drawn at random. Default: "
-        "every labeled text (0 says the same); --protocol mteb: 8.", default=None)
-    seeds: int | None = _doc(
-        "Seeds 0..N-1: subsamples (and fine-tunes) whose scores are averaged. Default: 10 (MTEB's n_experiments), "
-        "finetune 3. linear on every text fits once: each seed would fit the same rows to the same optimum.",
-        default=None)
-    mode: Literal["linear", "finetune"] = _doc(
-        "linear: frozen features + logistic regression; finetune: train a sequence classifier.", default="linear")
-    pooling: Literal["auto", "mean", "cls", "max"] = _doc(
-        "linear's features: auto = the checkpoint's sentence-transformers pooling (modules.json) if it has one, "
-        "else mean. Name one to pool every model alike (no normalisation).", default="auto")
-    batch_size: int = _doc("Texts per forward pass, and finetune's batch (BERT's GLUE batch: 32).", default=32)
-    max_seq_length: int | None = _doc("Tokens per text; longer texts are cut. Default: the checkpoint's "
-                                      "sentence-transformers length, else the model's, at most 512.", default=None)
-    learning_rate: float = _doc("finetune's peak AdamW learning rate (BERT's GLUE grid: 2e-5..5e-5; the top, as "
-                                "the probe's training sets are small), linear decay after 10%% warm-up.", default=5e-5)
-    epochs: int = _doc("finetune's epochs over each subsample (BERT's GLUE recipe: 3).", default=3)
-
-    def __post_init__(self) -> None:
-        if self.protocol == "mteb":
-            given = [f"--{k} {getattr(self, k)}" for k, v in MTEB.items() if getattr(self, k) not in (None, v)]
-            if self.mode != "linear" or given:
-                raise BadInput("--protocol mteb is MTEB's classification protocol exactly (linear, 8 texts per label, "
-                               f"10 seeds): drop {', '.join(given) or '--mode ' + self.mode}, or use --protocol "
-                               "default")
-            self.max_train_per_label, self.seeds = MTEB["max_train_per_label"], MTEB["seeds"]
-        if self.max_train_per_label is None:
-            self.max_train_per_label = 0
-        if self.seeds is None:
-            self.seeds = FINETUNE_SEEDS if self.mode == "finetune" else MTEB["seeds"]
-        for name in ("seeds", "batch_size", "epochs"):
-            if getattr(self, name) < 1:
-                raise BadInput(f"--{name} must be at least 1, got {getattr(self, name)}")
-        if self.max_train_per_label < 0:
-            raise BadInput(f"--max_train_per_label must be >= 0 (0: all), got {self.max_train_per_label}")
-        if self.learning_rate <= 0:
-            raise BadInput(f"--learning_rate must be positive, got {self.learning_rate}")
-        if self.max_seq_length is not None and self.max_seq_length < 2:
-            raise BadInput(f"--max_seq_length must be at least 2 (the special tokens), got {self.max_seq_length}")
 
 
 @dataclass
@@ -132,12 +70,26 @@ class ProbeData:
 
 
 def as_written(label: Any) -> str | None:
-    """A label as the file wrote it, as a string ("01" stays "01"; 1 becomes "1"); None where there is none (a
-    missing value, a NaN, an empty cell)."""
+    """A label as a string: a string as written ("01" stays "01", "1.0" stays "1.0"); a number as its value, a whole
+    one as the integer (1 and 1.0 are both "1": parquet holds an integer column that one missing value made
+    float as 0.0, 1.0, NaN, and JSON does not tell 1.0 from 1); None where there is none (a missing value, a NaN,
+    an empty cell)."""
     if label is None or (isinstance(label, float) and math.isnan(label)):
         return None
+    if isinstance(label, float) and label.is_integer():
+        return str(int(label))
     text = label if isinstance(label, str) else str(label)
     return text if text.strip() else None
+
+
+def whole_numbers(labels: list[str | None]) -> list[str | None]:
+    """A csv's labels, read as written unless every one is a whole number with a decimal point ("0.0", "1.0"):
+    that is how pandas writes an integer column that one missing value made float, so they are the integers.
+    One "1.5" or "yes" among them and the column is read as written."""
+    given = [label for label in labels if label is not None]
+    if not given or not all(WRITTEN_AS_FLOAT.fullmatch(label) for label in given):
+        return labels
+    return [None if label is None else str(int(label.partition(".")[0])) for label in labels]
 
 
 class Records:
@@ -192,7 +144,7 @@ def read_split(cfg: ProbeConfig, split: Literal["train", "test"]) -> tuple[list[
         if name not in splits:
             raise BadInput(f"dataset {cfg.dataset_name!r} has no split {name!r}; splits found: {', '.join(splits)}. "
                            f"Pass --{split}_split with one of them.")
-        ds = splits[name]
+        ds, cells_are_text = splits[name], False  # datasets reads each column with its type
     else:
         path = cfg.train_file if split == "train" else cfg.test_file
         if path is None:
@@ -201,6 +153,7 @@ def read_split(cfg: ProbeConfig, split: Literal["train", "test"]) -> tuple[list[
         flag = where = f"--{split}_file {path}"
         builder = _builder_for(path, f"--{split}_file")  # a missing or empty file is named here
         ds = load_file(builder, path, cfg, flag)
+        cells_are_text = builder == "csv"
     check_columns(ds.column_names, cfg.text_column, where)
     if cfg.label_column not in ds.column_names:
         raise BadInput(f"{where}: no label column {cfg.label_column!r}; columns found: {', '.join(ds.column_names)}. "
@@ -213,6 +166,7 @@ def read_split(cfg: ProbeConfig, split: Literal["train", "test"]) -> tuple[list[
         raise BadInput(f"{where}: column {cfg.label_column!r} holds {type(odd[0]).__name__} values; the probe takes "
                        "one class label (a string or an integer) per text")
     labels = [as_written(label) for label in raw]
+    labels = whole_numbers(labels) if cells_are_text else labels
     texts = ["" if text is None else str(text) for text in ds[cfg.text_column]]
     unlabeled = [row for row, label in enumerate(labels, 1) if label is None]
     empty = [row for row, text in enumerate(texts, 1) if not text.strip() and labels[row - 1] is not None]
@@ -254,30 +208,47 @@ def read(load: Any, flag: str) -> dict:
             enable_progress_bars()
 
 
+def shown(label: str) -> str:
+    """A label for a message: its repr, a long one cut (a column of texts given as the labels)."""
+    return repr(label) if len(label) <= 40 else repr(label[:37]) + "..."
+
+
+def same_number(one: str, other: str) -> bool:
+    """Whether two labels that differ as written are one number ("1" and "1.0", "01" and "1")."""
+    try:
+        return float(one) == float(other)
+    except ValueError:
+        return False
+
+
 def load_probe_data(cfg: ProbeConfig) -> ProbeData:
     """Both splits, read and checked; every problem a one-line BadInput. No model is loaded."""
     train_texts, train_labels, train_where, train_note = read_split(cfg, "train")
     test_texts, test_labels, test_where, test_note = read_split(cfg, "test")
-    counts: dict[Any, int] = {}
-    for label in train_labels:
-        counts[label] = counts.get(label, 0) + 1
-    limit = min(MAX_LABELS, len(train_labels) / 2)
-    if len(counts) > limit:
-        raise BadInput(f"{train_where}: column {cfg.label_column!r} has {len(counts)} distinct values in "
-                       f"{len(train_labels)} rows (more than min({MAX_LABELS}, half the rows)): free text, not class "
-                       "labels. Pass --label_column with the column of classes.")
+    counts = Counter(train_labels)
     if len(counts) == 1:
         raise BadInput(f"{train_where}: every row has the label {next(iter(counts))!r}: a classifier needs at "
                        f"least two labels; check --label_column {cfg.label_column!r}")
+    test_counts = Counter(test_labels)
+    own = [sum(n == 1 for n in c.values()) / sum(c.values()) for c in (counts, test_counts)]
+    if min(own) > OWN_LABEL:  # a few-shot training file (many labels, few rows each) is fine: its test file repeats
+        raise BadInput(f"column {cfg.label_column!r} gives nearly every row a label of its own ({len(counts)} distinct "
+                       f"values in {len(train_labels)} rows of {train_where}, {len(test_counts)} in "
+                       f"{len(test_labels)} rows of {test_where}): free text or an identifier, not classes. Pass "
+                       "--label_column with the column of classes.")
     classes = sorted(counts)
     number = {label: k for k, label in enumerate(classes)}
     unseen = sorted({label for label in test_labels if label not in number}, key=repr)
     if unseen:
         more = f" (and {len(unseen) - SHOWN} more)" if len(unseen) > SHOWN else ""
-        raise BadInput(f"{test_where}: labels not in the training set: {', '.join(map(repr, unseen[:SHOWN]))}{more}; "
-                       f"the training labels are {', '.join(map(repr, classes[:SHOWN]))}"
+        alike = [f"{shown(label)} and {shown(twin)}" for label in unseen[:SHOWN] for twin in classes
+                 if same_number(label, twin)]
+        raise BadInput(f"{test_where}: labels not in the training set: {', '.join(map(shown, unseen[:SHOWN]))}{more}; "
+                       f"the training labels are {', '.join(map(shown, classes[:SHOWN]))}"
                        f"{' ...' if len(classes) > SHOWN else ''}. A classifier cannot predict a class it never saw: "
-                       "add examples of them to the training set or drop them from the test set.")
+                       "add examples of them to the training set or drop them from the test set."
+                       + (f" ({'; '.join(alike[:SHOWN])} are one number written two ways: a label written as text "
+                          "is read as written, so write them alike)" if alike else ""))
     return ProbeData(train_texts, np.array([number[v] for v in train_labels], dtype=np.int64),
                      test_texts, np.array([number[v] for v in test_labels], dtype=np.int64), classes,
                      [note for note in (train_note, test_note) if note])
@@ -417,7 +388,7 @@ def main(argv: list[str] | None = None) -> int:
     except BadInput as err:
         sys.stderr.write(err.line(PROG) + "\n")  # one write: the line arrives whole
         return err.exit_code
-    # each model after the first against the first: paired, with the interval of a paired bootstrap
+    # each model after the first against the first: paired, with its 95% interval over test texts and seeds
     first, *others = positional.models
     changes = {name: change(results[first], results[name], data.test_labels) for name in others}
     print(format_table(results))

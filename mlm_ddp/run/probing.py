@@ -38,7 +38,8 @@ from mlm_ddp.cluster.durable import write_atomic
 from mlm_ddp.config import Config, RunConfig
 from mlm_ddp.errors import BadInput
 from mlm_ddp.probe.compare import change, describe_change, differences, settings
-from mlm_ddp.probe.standalone import ProbeConfig, ProbeData, check_probe_data, load_probe_data, probe
+from mlm_ddp.probe.config import ProbeConfig
+from mlm_ddp.probe.standalone import ProbeData, check_probe_data, load_probe_data, probe
 from mlm_ddp.run.run_folder import BEST_PROBE, RunFolder, replace_folder
 
 logger = get_logger(__name__)
@@ -230,7 +231,7 @@ def add_to_card(final: Path, probed: dict[str, Any] | None, cfg: RunConfig, is_m
                "| model | accuracy | macro-F1 | majority class |\n| --- | ---: | ---: | ---: |\n"
                + "\n".join(rows) + "\n"
                + (f"\nThe change after - before, paired (the same subsamples, seeds and test texts), with the 95% "
-                  f"interval of a paired bootstrap over the test texts and seeds: {describe_change(probed['change'])}"
+                  f"interval over the test texts and seeds: {describe_change(probed['change'])}"
                   ".\n" if probed.get("change") else ""))
     write_atomic(card, card.read_text() + section)
 
