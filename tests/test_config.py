@@ -89,6 +89,20 @@ def test_bad_values_are_named(values: dict, message: str) -> None:
         from_dict(values)
 
 
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--seed", "-1"], "--seed must be >= 0, got -1"),
+    (["--adam_beta1", "1.5"], r"--adam_beta1 must be in \[0, 1\), got 1.5"),
+    (["--adam_beta2=-0.1"], r"--adam_beta2 must be in \[0, 1\), got -0.1"),
+    (["--adam_epsilon=-1"], "--adam_epsilon must be >= 0, got -1.0"),
+    # a negative number in scientific notation is a value, not a flag (argparse took it for one)
+    (["--learning_rate", "-1e-3"], "--learning_rate must be positive, got -0.001"),
+    (["--learning_rate", "-.5E+1"], "--learning_rate must be positive, got -5.0"),
+])
+def test_what_torch_or_argparse_refused_with_a_traceback_is_named(argv: list[str], message: str) -> None:
+    with pytest.raises(BadInput, match=message):
+        parse_args(argv)
+
+
 def test_cli_error_exits_2() -> None:
     proc = run_module(["mlm_ddp.train", "--mlm_probability", "2"])
     assert proc.returncode == 2

@@ -147,6 +147,14 @@ class TrainingConfig:
         for name in ("learning_rate", "head_learning_rate"):
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise BadInput(f"--{name} must be positive, got {getattr(self, name)}")
+        for name in ("adam_beta1", "adam_beta2"):  # torch's AdamW refuses them later, with a traceback
+            if not 0 <= getattr(self, name) < 1:
+                raise BadInput(f"--{name} must be in [0, 1), got {getattr(self, name)}; the usual values are 0.9 "
+                               "and 0.999 (0.98 for ModernBERT's recipe)")
+        if self.adam_epsilon < 0:
+            raise BadInput(f"--adam_epsilon must be >= 0, got {self.adam_epsilon}; the usual value is 1e-8")
+        if self.seed < 0:  # numpy's generators take no negative seed
+            raise BadInput(f"--seed must be >= 0, got {self.seed}")
         if self.weight_decay < 0 or self.max_grad_norm < 0 or self.num_warmup_steps < 0:
             raise BadInput("--weight_decay, --max_grad_norm and --num_warmup_steps must be >= 0")
         if self.num_warmup_steps >= 1 and self.num_warmup_steps != int(self.num_warmup_steps):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 import shlex
 import sys
 import typing
@@ -152,6 +153,9 @@ def make_parser() -> HfArgumentParser:
         # rule that asks whether --learning_rate was given (`given`) sees every flag as it is spelled
         allow_abbrev=False,
     )
+    # argparse reads "-1e-3" as a flag (its test for a negative number knows no exponent), so "--learning_rate
+    # -1e-3" said "expected one argument"; no flag of ours looks like a number, so any number is a value
+    parser._negative_number_matcher = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
     parser.add_argument(
         "--config", default=None, metavar="RECIPE.yaml",
         help="YAML recipe (nested by section or flat), or the name of a shipped one (dapt, tapt, modernbert: "
