@@ -184,6 +184,9 @@ def _no_mask_tokenizer(tiny_model: Path, root: Path) -> Path:
         ("unknown_yaml_key", "unknown key 'learnig_rate'.*did you mean 'learning_rate'"),
         ("resume_nothing", "--resume_from_checkpoint .*nowhere: no such folder"),
         ("resume_latest_empty", "--resume_from_checkpoint latest: no complete checkpoint"),
+        ("latin1_train", r"--train_file .*latin1.txt: not UTF-8 text \(byte 0xe9 at offset 3\); save it as UTF-8"),
+        ("binary_validation", r"--validation_file .*valid.txt: not UTF-8 text \(byte 0xff at offset 0\)"),
+        ("latin1_config", r"--config .*r.yaml: not UTF-8 text \(invalid continuation byte at byte 11\)"),
     ],
 )
 def test_bad_input_is_refused_before_anything_is_written(
@@ -217,6 +220,15 @@ def test_bad_input_is_refused_before_anything_is_written(
         extra = ["--resume_from_checkpoint", str(tmp_path / "nowhere")]
     elif case == "resume_latest_empty":
         extra = ["--resume_from_checkpoint", "latest"]
+    elif case == "latin1_train":  # a file saved in latin-1, as older tools write French or German text
+        (tmp_path / "latin1.txt").write_bytes("café au lait\nsecond line\n".encode("latin-1") * 20)
+        extra = ["--train_file", str(tmp_path / "latin1.txt")]
+    elif case == "binary_validation":
+        (tmp_path / "valid.txt").write_bytes(bytes(range(255, -1, -1)) * 4)
+        extra = ["--validation_file", str(tmp_path / "valid.txt")]
+    elif case == "latin1_config":
+        (tmp_path / "r.yaml").write_bytes("seed: 7\n# r\xe9glages\n".encode("latin-1"))
+        extra = ["--config", str(tmp_path / "r.yaml")]
     before = sorted(p.name for p in out.rglob("*"))
     code = main(tiny_args(tiny_model, corpus, out, "--max_train_steps", "2", *extra))
     assert code == 2

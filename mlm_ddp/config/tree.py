@@ -138,7 +138,9 @@ def load_recipe(path: str | Path) -> dict[str, Any]:
     if not path.is_file():
         raise BadInput(f"--config {path}: no such file, nor a shipped recipe ({', '.join(shipped_recipes())})")
     try:
-        recipe = yaml.safe_load(path.read_text())
+        recipe = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as err:
+        raise BadInput(f"--config {path}: not UTF-8 text ({err.reason} at byte {err.start}); save it as UTF-8") from err
     except yaml.YAMLError as err:
         raise BadInput(f"--config {path}: not valid YAML: {err}") from err
     return _flatten_recipe(recipe, str(path))

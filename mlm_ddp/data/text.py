@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from datasets import Dataset, DatasetDict, IterableDataset, IterableDatasetDict, load_dataset
+from datasets.exceptions import DatasetGenerationError
 
 from mlm_ddp.config import DataConfig
 from mlm_ddp.config.mixture import unique_names
@@ -162,9 +163,49 @@ def source_names(paths: list[str]) -> list[str]:
     return unique_names(paths, "--validation_file")
 
 
+def first_undecodable(path: str | Path, chunk: int = 1 << 20) -> tuple[int, int] | None:
+    """(offset, byte) of the first byte of `path` that is not UTF-8 (None: all of it is)."""
+    import codecs
+
+    decoder, offset = codecs.getincrementaldecoder("utf-8")(), 0
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            try:
+                decoder.decode(block)
+            except UnicodeDecodeError as err:
+                return offset + err.start, block[err.start]
+            offset += len(block)
+    try:
+        decoder.decode(b"", final=True)
+    except UnicodeDecodeError:
+        return offset, 0
+    return None
+
+
+def not_utf8(err: BaseException, data_files: dict | None, flag: str) -> BadInput | None:
+    """The line that names the file which is not UTF-8 text, when `err` (datasets wraps its readers' errors) came
+    from decoding one; None otherwise. A training and a held-out file load together: the one at fault is named."""
+    cause: BaseException | None = err
+    while cause is not None and not isinstance(cause, UnicodeDecodeError):
+        cause = cause.__cause__ or cause.__context__
+    if cause is None:
+        return None
+    for split, path in (data_files or {}).items():
+        found = first_undecodable(path) if Path(path).is_file() else None
+        if found is not None:
+            given = "--train_file" if split == "train" else "--validation_file"
+            return BadInput(f"{given} {path}: not UTF-8 text (byte 0x{found[1]:02x} at offset {found[0]}); save it as "
+                            f"UTF-8, e.g. iconv -f latin1 -t utf-8 {path} > {Path(path).stem}.utf8{Path(path).suffix}")
+    return BadInput(f"{flag}: not UTF-8 text ({cause}); save it as UTF-8")
+
+
 def _load(path: str, name: str | None, data_files: dict | None, streaming: bool, flag: str) -> dict:
     try:
         loaded = load_dataset(path, name, data_files=data_files, streaming=streaming)
+    except DatasetGenerationError as err:
+        if (line := not_utf8(err, data_files, flag)) is not None:
+            raise line from err
+        raise
     except (FileNotFoundError, ConnectionError, ValueError, OSError) as err:
         raise BadInput(
             f"{flag}: could not be loaded ({type(err).__name__}: {err}). A Hub name needs network "
