@@ -97,8 +97,15 @@ def test_a_bad_probe_file_stops_the_run_before_anything_is_written(tiny_model: P
                                                                    probe_files: dict) -> None:
     one_label = write(tmp_path / "one.csv", [{"text": "a b c", "label": "x"}] * 20)
     out = tmp_path / "run"
-    with pytest.raises(BadInput, match="label"):
+    with pytest.raises(BadInput, match="check --probe_label_column 'label'"):
         train(parse_args(probed_args(tiny_model, corpus, out, {"train": one_label, "test": probe_files["test"]})))
+    # the errors name the flags of the run, not the standalone probe's (--train_file is the MLM text's)
+    with pytest.raises(BadInput, match=r"^--probe_train_file \S*missing.csv: no such file$"):
+        train(parse_args(probed_args(tiny_model, corpus, out, {"train": str(tmp_path / "missing.csv"),
+                                                               "test": probe_files["test"]})))
+    no_text = write(tmp_path / "no_text.csv", [{"body": "a b c", "label": "x"}] * 20)
+    with pytest.raises(BadInput, match="Pass --probe_text_column with one of them"):
+        train(parse_args(probed_args(tiny_model, corpus, out, {"train": no_text, "test": probe_files["test"]})))
     assert not out.exists()
     with pytest.raises(BadInput, match="both --probe_train_file and --probe_test_file"):
         parse_args(tiny_args(tiny_model, corpus, out, "--probe_train_file", str(one_label)))

@@ -46,11 +46,11 @@ def _builder_for(path_str: str, flag: str) -> str:
     return SUFFIX_BUILDERS[suffix]
 
 
-def check_columns(columns: list[str] | None, text_column: str, source: str) -> None:
+def check_columns(columns: list[str] | None, text_column: str, source: str, flag: str = "--text_column") -> None:
     if columns is not None and text_column not in columns:
         raise BadInput(
             f"{source}: no text column {text_column!r}; columns found: {', '.join(columns)}. "
-            "Pass --text_column with one of them."
+            f"Pass {flag} with one of them."
         )
 
 

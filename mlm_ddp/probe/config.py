@@ -5,7 +5,7 @@ module, so that those two read it without importing each other.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from mlm_ddp.config import _doc
@@ -55,6 +55,12 @@ class ProbeConfig:
     learning_rate: float = _doc("finetune's peak AdamW learning rate (BERT's GLUE grid: 2e-5..5e-5; the top, as "
                                 "the probe's training sets are small), linear decay after 10%% warm-up.", default=5e-5)
     epochs: int = _doc("finetune's epochs over each subsample (BERT's GLUE recipe: 3).", default=3)
+    # not a flag: how errors spell the flags. Inside a training run they are --probe_train_file, ... ("probe_")
+    flag_prefix: str = field(default="", init=False, repr=False)
+
+    def flag(self, name: str) -> str:
+        """The flag the user typed for the field `name` (--train_file here, --probe_train_file in training)."""
+        return f"--{self.flag_prefix}{name}"
 
     def __post_init__(self) -> None:
         if self.protocol == "mteb":

@@ -150,14 +150,14 @@ def read_split(cfg: ProbeConfig, split: Literal["train", "test"]) -> tuple[list[
         if path is None:
             raise BadInput(f"no --{split}_file given: pass --train_file and --test_file (csv, json, jsonl or "
                            "parquet), or --dataset_name")
-        flag = where = f"--{split}_file {path}"
-        builder = _builder_for(path, f"--{split}_file")  # a missing or empty file is named here
+        flag = where = f"{cfg.flag(f'{split}_file')} {path}"
+        builder = _builder_for(path, cfg.flag(f"{split}_file"))  # a missing or empty file is named here
         ds = load_file(builder, path, cfg, flag)
         cells_are_text = builder == "csv"
-    check_columns(ds.column_names, cfg.text_column, where)
+    check_columns(ds.column_names, cfg.text_column, where, cfg.flag("text_column"))
     if cfg.label_column not in ds.column_names:
         raise BadInput(f"{where}: no label column {cfg.label_column!r}; columns found: {', '.join(ds.column_names)}. "
-                       "Pass --label_column with one of them.")
+                       f"Pass {cfg.flag('label_column')} with one of them.")
     if len(ds) == 0:
         raise BadInput(f"{where}: holds no rows")
     raw = ds[cfg.label_column]
@@ -228,14 +228,14 @@ def load_probe_data(cfg: ProbeConfig) -> ProbeData:
     counts = Counter(train_labels)
     if len(counts) == 1:
         raise BadInput(f"{train_where}: every row has the label {next(iter(counts))!r}: a classifier needs at "
-                       f"least two labels; check --label_column {cfg.label_column!r}")
+                       f"least two labels; check {cfg.flag('label_column')} {cfg.label_column!r}")
     test_counts = Counter(test_labels)
     own = [sum(n == 1 for n in c.values()) / sum(c.values()) for c in (counts, test_counts)]
     if min(own) > OWN_LABEL:  # a few-shot training file (many labels, few rows each) is fine: its test file repeats
         raise BadInput(f"column {cfg.label_column!r} gives nearly every row a label of its own ({len(counts)} distinct "
                        f"values in {len(train_labels)} rows of {train_where}, {len(test_counts)} in "
                        f"{len(test_labels)} rows of {test_where}): free text or an identifier, not classes. Pass "
-                       "--label_column with the column of classes.")
+                       f"{cfg.flag('label_column')} with the column of classes.")
     classes = sorted(counts)
     number = {label: k for k, label in enumerate(classes)}
     unseen = sorted({label for label in test_labels if label not in number}, key=repr)

@@ -50,10 +50,12 @@ BEFORE_FILE = "probe_before.json"  # in the run's folder: the starting model's f
 
 
 def probe_config(run: RunConfig) -> ProbeConfig:
-    return ProbeConfig(train_file=run.probe_train_file, test_file=run.probe_test_file,
-                       text_column=run.probe_text_column, label_column=run.probe_label_column, mode=run.probe_mode,
-                       protocol=run.probe_protocol, max_train_per_label=run.probe_max_train_per_label,
-                       seeds=run.probe_seeds)
+    cfg = ProbeConfig(train_file=run.probe_train_file, test_file=run.probe_test_file,
+                      text_column=run.probe_text_column, label_column=run.probe_label_column, mode=run.probe_mode,
+                      protocol=run.probe_protocol, max_train_per_label=run.probe_max_train_per_label,
+                      seeds=run.probe_seeds)
+    cfg.flag_prefix = "probe_"  # its errors name the training run's flags
+    return cfg
 
 
 def check(cfg: Config) -> None:
