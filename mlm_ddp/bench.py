@@ -45,7 +45,7 @@ from mlm_ddp.cluster import heartbeat, precision, watchdog_cost
 from mlm_ddp.cluster import launcher as distributed
 from mlm_ddp.config import ModelConfig, _doc, from_dict, parse_exactly
 from mlm_ddp.data.masking import EVAL_SPLIT, IGNORE_INDEX, TRAIN_SPLIT, MaskingCollator
-from mlm_ddp.errors import BadInput
+from mlm_ddp.errors import BadInput, say
 from mlm_ddp.loop.checkpoint import StopSignals
 from mlm_ddp.loop.optim import build_optimizer
 from mlm_ddp.loop.speed import measure_peak, synchronize, training_flops_per_token
@@ -419,16 +419,16 @@ def format_table(result: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = HfArgumentParser(BenchConfig, prog="mlm_ddp.bench", description=__doc__.split("\n")[0],
                               allow_abbrev=False)
-    (cfg,) = parse_exactly(parser, argv)
-    if cfg.watchdog_cost:
-        rows = watchdog_cost.cost(cfg.watchdog_cost)
-        print(watchdog_cost.format_rows(rows))
-        print(json.dumps({"bench": "watchdog", "rows": rows}))
-        return 0
     try:
+        (cfg,) = parse_exactly(parser, argv)  # a bad value is refused by BenchConfig itself, here
+        if cfg.watchdog_cost:
+            rows = watchdog_cost.cost(cfg.watchdog_cost)
+            print(watchdog_cost.format_rows(rows))
+            print(json.dumps({"bench": "watchdog", "rows": rows}))
+            return 0
         result = bench(cfg)
     except BadInput as err:
-        print(f"error: {err}", file=sys.stderr)
+        say(err.line("mlm_ddp.bench"))
         return 2
     profile = result.pop("profile", None)
     print(format_table(result))

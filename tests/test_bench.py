@@ -92,6 +92,17 @@ def test_bench_names_the_flag_to_lower_when_the_corpus_is_too_small(tiny_model: 
     assert "--eval_blocks 100000" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(("flag", "value", "message"), [
+    *[(f"--{name}", "0", f"--{name} must be at least 1, got 0") for name in ("steps", "batch", "repeats", "seq",
+                                                                               "eval_blocks")],
+    ("--warmup", "-1", "--warmup must be >= 0, got -1"),
+])
+def test_a_bad_bench_value_is_one_line_and_exit_2(flag: str, value: str, message: str, capsys) -> None:
+    assert main([flag, value]) == 2
+    err = capsys.readouterr().err
+    assert err == f"mlm_ddp.bench: error: {message}\n", err  # one line, no traceback
+
+
 def test_measuring_the_peak_leaves_the_random_state_alone() -> None:
     # train measures the peak after restoring a checkpoint's RNG states: a draw from torch's global
     # generator would shift every later dropout mask of a resumed run
