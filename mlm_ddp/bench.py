@@ -55,6 +55,7 @@ from mlm_ddp.model.loading import (
     load_model,
     load_model_config,
     load_tokenizer,
+    max_positions,
     resolve_model_path,
     wrap_model,
 )
@@ -221,6 +222,8 @@ def bench(cfg: BenchConfig) -> dict[str, Any]:
     model_cfg = ModelConfig(model_name_or_path=cfg.model, config_overrides=cfg.config_overrides)
     tokenizer = load_tokenizer(model_cfg)
     model_config = load_model_config(model_cfg, tokenizer)
+    if cfg.seq > (limit := max_positions(model_config, tokenizer)):  # the embedding would index past its table
+        raise BadInput(f"--seq {cfg.seq} is above the model's maximum of {limit} tokens; use --seq {limit} or less")
     cuda = torch.cuda.is_available()
     if cfg.precision == "fp16" and not cuda:
         raise BadInput("--precision fp16 needs a CUDA GPU (on a CPU accelerate would run fp32): use bf16 or fp32")

@@ -92,6 +92,12 @@ def test_bench_names_the_flag_to_lower_when_the_corpus_is_too_small(tiny_model: 
     assert "--eval_blocks 100000" in capsys.readouterr().err
 
 
+def test_a_seq_past_the_models_positions_is_named(tiny_model: Path, capsys) -> None:
+    assert main(["--model", str(tiny_model), "--seq", "65"]) == 2  # the tiny BERT has 64 positions
+    err = capsys.readouterr().err
+    assert err == "mlm_ddp.bench: error: --seq 65 is above the model's maximum of 64 tokens; use --seq 64 or less\n"
+
+
 @pytest.mark.parametrize(("flag", "value", "message"), [
     *[(f"--{name}", "0", f"--{name} must be at least 1, got 0") for name in ("steps", "batch", "repeats", "seq",
                                                                                "eval_blocks")],
