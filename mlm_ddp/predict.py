@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from mlm_ddp.errors import BadInput
+from mlm_ddp.errors import BadInput, say
 from mlm_ddp.loop.trained import load_for_prediction
 
 
@@ -30,10 +30,17 @@ def fill_mask(model: torch.nn.Module, tokenizer: Any, text: str, top_k: int) -> 
     """For each mask token of `text`, in order: the top_k tokens with their probabilities."""
     encoded = tokenizer(text, return_tensors="pt", truncation=True)
     positions = (encoded["input_ids"][0] == tokenizer.mask_token_id).nonzero().flatten()  # (M,)
+    written = len(tokenizer(text)["input_ids"])  # untruncated: a mask past the model's length was cut off
+    if positions.numel() == 0 and tokenizer.mask_token in text and written > encoded["input_ids"].shape[1]:
+        raise BadInput(f"{text[:40]!r}...: its {tokenizer.mask_token} lies past the model's maximum of "
+                       f"{encoded['input_ids'].shape[1]} tokens (the text has {written}); shorten the text before it")
     if positions.numel() == 0:
         raise BadInput(f"no {tokenizer.mask_token} in {text!r}: write {tokenizer.mask_token} where a word "
                           "should be predicted")
     logits = model(**encoded).logits[0, positions]  # (M, V)
+    if top_k > logits.shape[-1]:
+        raise BadInput(f"--top_k {top_k} is above the model's vocabulary of {logits.shape[-1]} tokens; use "
+                       f"--top_k {logits.shape[-1]} or less")
     top = logits.float().softmax(dim=-1).topk(top_k, dim=-1)
     return [
         [Prediction(tokenizer.decode([i]).strip(), p) for p, i in zip(probs, ids, strict=True)]
@@ -67,9 +74,14 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
-    texts = args.texts or [line.strip() for line in sys.stdin if line.strip()]
+    args = parser().parse_intermixed_args(argv)  # options before, between or after the texts
     try:
+        texts = args.texts or [line.strip() for line in sys.stdin if line.strip()]
+        for text in texts:  # bytes that are not UTF-8 reach us as surrogates, which the tokenizer cannot take
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as err:
+                raise BadInput(f"{text[:40]!r}: not UTF-8 text ({err.reason}); give texts in UTF-8") from err
         if args.top_k < 1:
             raise BadInput(f"--top_k must be at least 1, got {args.top_k}")
         if not texts:
@@ -81,8 +93,11 @@ def main(argv: list[str] | None = None) -> int:
             compared = fill_mask(*base, text.replace(tokenizer.mask_token, base[1].mask_token),
                                  args.top_k) if base else None
             print(("\n" if i else "") + format_predictions(text, tuned, compared, (args.model, args.compare or "")))
+    except UnicodeDecodeError as err:  # stdin read strictly as UTF-8
+        say(f"mlm_ddp.predict: error: stdin is not UTF-8 text ({err.reason} at byte {err.start}); give texts in UTF-8")
+        return 2
     except BadInput as err:
-        print(f"error: {err}", file=sys.stderr)
+        say(err.line("mlm_ddp.predict"))
         return 2
     return 0
 

@@ -54,3 +54,26 @@ def test_text_without_a_mask_token_is_a_clear_error(trained_run: Path, capsys: p
     assert "no [MASK] in 'no mask here'" in capsys.readouterr().err
     with pytest.raises(BadInput, match="neither a model folder"):
         load_for_prediction(str(trained_run / "checkpoints"))
+
+
+def test_options_anywhere_and_what_a_user_gets_wrong_are_one_line(trained_run: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                   capsys: pytest.CaptureFixture) -> None:
+    final = str(trained_run / "final")
+    assert main([final, "--top_k", "2", "a [MASK] b"]) == 0  # an option between the model and the texts
+    assert "a [MASK] b" in capsys.readouterr().out
+    cases = [
+        ([final, "--top_k", "601", "a [MASK] b"],
+         "--top_k 601 is above the model's vocabulary of 600 tokens; use --top_k 600 or less"),
+        # 64 positions: the mask comes after 140 pieces of "word", cut away by truncation, though the user wrote it
+        ([final, "word " * 70 + "[MASK]"], "[MASK] lies past the model's maximum of 64 tokens (the text has 143)"),
+        ([final, "a [MASK] \udce9 b"], "not UTF-8 text (surrogates not allowed); give texts in UTF-8"),
+    ]
+    for argv, message in cases:
+        assert main(argv) == 2
+        err = capsys.readouterr().err  # beside transformers' loading bar
+        errors = [line for line in err.splitlines() if line.startswith("mlm_ddp.predict: error: ")]
+        assert len(errors) == 1 and message in errors[0] and "Traceback" not in err, err
+    # bytes on stdin that are not UTF-8, read as a terminal or a pipe reads them (strict)
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(b"caf\xe9 [MASK]\n"), encoding="utf-8"))
+    assert main([final]) == 2
+    assert "stdin is not UTF-8 text (invalid continuation byte at byte 3)" in capsys.readouterr().err
