@@ -21,6 +21,7 @@ import argparse
 import dataclasses
 import json
 import re
+import shutil
 import sys
 import time
 from dataclasses import dataclass
@@ -146,6 +147,16 @@ class SubmitConfig:
         if self.cluster != "slurm" and (self.nodes > 1 or self.gpus_per_node > 1 or self.procs_per_node > 1):
             raise BadInput(f"--cluster {self.cluster} runs one process on this machine: use --nodes 1 and "
                            "one process, or --cluster slurm")
+        # Slurm would take these and run a job that fails later, or with nonsense (a negative warning time)
+        if self.timeout_min < 1:
+            raise BadInput(f"--timeout_min must be at least 1 minute, got {self.timeout_min}")
+        if self.cpus_per_task is not None and self.cpus_per_task < 1:
+            raise BadInput(f"--cpus_per_task must be at least 1, got {self.cpus_per_task}")
+        if self.mem_gb is not None and self.mem_gb <= 0:
+            raise BadInput(f"--mem_gb must be positive, got {self.mem_gb:g}")
+        if not 0 <= self.signal_delay_s < 60 * self.timeout_min:
+            raise BadInput(f"--signal_delay_s must be >= 0 and less than --timeout_min ({60 * self.timeout_min} s), "
+                           f"got {self.signal_delay_s}")
 
 
 def make_parser() -> HfArgumentParser:
@@ -182,6 +193,9 @@ def submit(args: SubmitConfig, train_argv: list[str]) -> Any:
     for flag, value in files:
         if not Path(value).exists():
             raise BadInput(f"{flag} {value}: no such file (the job would fail on it)")
+    if args.cluster == "slurm" and (missing := [c for c in ("sbatch", "srun") if shutil.which(c) is None]):
+        raise BadInput(f"--cluster slurm: {' and '.join(missing)} not found on PATH (submit from a Slurm login node), "
+                       "or run here with --cluster local or --cluster debug")
     job_dir = writable_job_dir(Path(args.job_dir or Path(cfg.run.output_dir) / "submitit"))
     tasks = args.gpus_per_node or args.procs_per_node
     executor = submitit.AutoExecutor(folder=job_dir / "%j", cluster=args.cluster)

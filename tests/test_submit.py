@@ -62,20 +62,31 @@ def test_debug_cluster_runs_the_job_end_to_end(tiny_model: Path, corpus: dict, t
     ("unwritable_job_dir", "--job_dir .*cannot be written"),
     ("missing_train_file", "--train_file .*no such file"),
     ("local_two_nodes", "--cluster local runs one process"),
+    ("timeout_0", "--timeout_min must be at least 1 minute, got 0"),
+    ("cpus_0", "--cpus_per_task must be at least 1, got 0"),
+    ("mem_negative", "--mem_gb must be positive, got -4"),
+    ("signal_negative", r"--signal_delay_s must be >= 0 and less than --timeout_min \(86400 s\), got -5"),
+    ("no_slurm_here", "--cluster slurm: sbatch and srun not found on PATH"),
     ("overwrite", "^mlm_ddp.submit: error: --overwrite_output_dir: every attempt of this job.*resumes --output_dir "
                   ".*choose another --output_dir, and submit without --overwrite_output_dir$"),
 ])
 def test_bad_input_is_refused_before_submission(case: str, message: str, tiny_model: Path, corpus: dict,
-                                                tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+                                                tmp_path: Path, capsys: pytest.CaptureFixture,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """In this process (main(argv), as `python -m mlm_ddp.submit` calls it): a refusal is parsed and checked
     before anything is submitted, so no interpreter start is needed to see it."""
     out = tmp_path / "run"
     args = tiny_args(tiny_model, corpus, out, "--max_train_steps", "3")
     extra = {"unknown_flag": ["--no_such_flag", "1"], "nodes_0": ["--nodes", "0"],
-             "unwritable_job_dir": ["--job_dir", str(corpus["train"] / "jobs")],
+             # --cluster local: reaches the job folder with or without Slurm on this machine
+             "unwritable_job_dir": ["--job_dir", str(corpus["train"] / "jobs"), "--cluster", "local"],
              "missing_train_file": ["--train_file", str(tmp_path / "absent.txt")],
              "local_two_nodes": ["--cluster", "local", "--nodes", "2"],
+             "timeout_0": ["--timeout_min", "0"], "cpus_0": ["--cpus_per_task", "0"],
+             "mem_negative": ["--mem_gb", "-4"], "signal_negative": ["--signal_delay_s", "-5"], "no_slurm_here": [],
              "overwrite": ["--overwrite_output_dir"]}[case]
+    if case == "no_slurm_here":  # a PATH without Slurm's commands, as on a laptop
+        monkeypatch.setenv("PATH", str(Path(sys.executable).parent))
     try:
         code = main([*args, *extra])
     except SystemExit as exited:  # argparse's refusal of a flag
