@@ -97,15 +97,15 @@ class ModelConfig:
         "With --mlm_head masked: run the last encoder layer's queries, attention output and feed-forward "
         "on the masked positions only (keys and values on all), as NVIDIA's and MosaicBERT's BERT "
         "trainers do: the same loss and gradients for less compute (docs/performance.md). Models "
-        "without a BERT-style last layer, --gradient_checkpointing and --torch_compile run the full "
-        "layer, with one log line.",
+        "without a BERT-style last layer and --gradient_checkpointing run the full layer, with one log line.",
         default=True,
     )
     dropout_draws: Literal["auto", "16bit", "torch"] = _doc(
         "How dropout draws its keep-masks: '16bit' cuts four 16-bit uniforms from each 64-bit random "
         "draw (the same keep probability up to 2^-16 and the same scaling, for a fraction of the "
         "random-number work), 'torch' uses torch's dropout kernels. 'auto': 16bit on CPU, torch on "
-        "GPU (its fused attention kernel draws dropout inside the kernel).",
+        "GPU (its fused attention kernel draws dropout inside the kernel) and under --torch_compile "
+        "(Inductor fuses the draws into its kernels).",
         default="auto",
     )
     fsdp_wrap_classes: str | None = _doc(

@@ -117,9 +117,21 @@ class TrainingConfig:
         default="fused",
     )
     torch_compile: bool = _doc(
-        "torch.compile the encoder (in place: checkpoints keep their keys). Costs a compilation at the "
-        "first step; docs/performance.md has its measured effect.",
+        "torch.compile the encoder's repeated layer (one graph, reused by every layer), the last layer on "
+        "the masked positions and the MLM head, in place (checkpoints keep their keys). Costs a compilation "
+        "at the first step and one more when shapes first change; dropout then draws from Inductor's "
+        "generator (other masks than eager, resumed exactly). docs/performance.md has its measured effect.",
         default=False,
+    )
+    torch_compile_backend: str = _doc(
+        "With --torch_compile: torch.compile's backend, as in transformers' TrainingArguments ('inductor'; "
+        "'aot_eager' traces and runs the same graphs without generating kernels).",
+        default="inductor",
+    )
+    torch_compile_mode: str | None = _doc(
+        "With --torch_compile: torch.compile's mode ('default', 'reduce-overhead': CUDA graphs, "
+        "'max-autotune'); None is torch's default.",
+        default=None,
     )
     seed: int = _doc("Seed of the data order, the masks and the model's random initialisation.", default=42)
     cpu_threads: int | None = _doc(

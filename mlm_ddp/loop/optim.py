@@ -164,7 +164,8 @@ def prepare_for_training(accelerator: Any, transformers_model: PreTrainedModel, 
     """The model in its loss wrapper, its optimizer and scheduler, prepared; and the parameter count."""
     model_cfg = cfg.model
     training = for_this_batch(cfg.training, accelerator.num_processes, cfg.data.max_seq_length)
-    model = wrap_model(transformers_model, model_cfg, training.torch_compile, accelerator.device)
+    model = wrap_model(transformers_model, model_cfg, training.torch_compile, accelerator.device,
+                       compile_options={"backend": training.torch_compile_backend, "mode": training.torch_compile_mode})
     materialize_meta(model)  # before the optimizer takes the parameters
     optimizer = build_optimizer(model, training)
     # the scheduler is stepped by us once per optimizer step: not prepared, saved as JSON

@@ -192,12 +192,13 @@ def subset_forward(layer: torch.nn.Module, positions: tuple[torch.Tensor, torch.
 
 @contextlib.contextmanager
 def last_layer_on(model: Any, positions: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-                  draws16: bool) -> Iterator[None]:
+                  draws16: bool, forward: Any = subset_forward) -> Iterator[None]:
     """Within it, the model's encoder returns the last layer's output at the loss `positions` only,
-    (N, H) instead of (B, T, H): its last layer's forward is `subset_forward` for this one call. The
-    layer is still called through its module, so hooks on it (FSDP's gathers) run as before."""
+    (N, H) instead of (B, T, H): its last layer's forward is `forward` (`subset_forward`, or it compiled)
+    for this one call. The layer is still called through its module, so hooks on it (FSDP's gathers) run
+    as before."""
     layer = last_layer(model)
-    layer.forward = functools.partial(subset_forward, layer, positions, draws16)
+    layer.forward = functools.partial(forward, layer, positions, draws16)
     try:
         yield
     finally:

@@ -18,7 +18,7 @@ from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForMaskedLM, AutoT
 
 from mlm_ddp.config import ModelConfig
 from mlm_ddp.errors import BadInput
-from mlm_ddp.model import fast_paths
+from mlm_ddp.model import compiled, fast_paths
 from mlm_ddp.model.positions import KEYS as POSITION_KEYS
 from mlm_ddp.model.positions import loss_layout
 
@@ -234,9 +234,8 @@ def check_tied(model: torch.nn.Module, groups: list[list[str]]) -> None:
 
 def repeated_layer_class(model: torch.nn.Module) -> list[str]:
     """The class of the encoder's layers: the modules of the longest ModuleList of one class."""
-    lists = [m for m in model.modules()
-             if isinstance(m, torch.nn.ModuleList) and len(m) and len({type(x) for x in m}) == 1]
-    return [type(max(lists, key=len)[0]).__name__] if lists else []
+    layers = compiled.repeated_layers(model)
+    return [type(layers[0]).__name__] if layers is not None else []
 
 
 def fsdp_wrap_classes(model: torch.nn.Module, requested: str | None) -> tuple[list[str], list[str]]:
@@ -269,15 +268,17 @@ def fsdp_wrap_classes(model: torch.nn.Module, requested: str | None) -> tuple[li
 MLM_HEAD_ATTRIBUTES = ("cls", "lm_head")  # BERT-style and RoBERTa-style masked-LM heads
 
 
-def loss_sums(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def loss_sums(logits: torch.Tensor, targets: torch.Tensor, count_correct: bool = True) -> tuple[torch.Tensor, ...]:
     """(sum of cross-entropy, number of targets, number predicted right) of logits (N, V), targets (N,).
+    Without `count_correct` (training: the step never reads it) the last is 0, and the (N, V) argmax and
+    its kernels are not run.
 
     Sums, not means, so that callers can normalise by the masked tokens of a whole optimizer step
     across micro-batches and ranks (DESIGN.md, pitfall 10). The loss is taken in fp32; the count is filled
     in on the device (torch.tensor(n, device=...) would wait for it: DESIGN.md, pitfall 15)."""
     logits = logits.float()
     loss_sum = F.cross_entropy(logits, targets, reduction="sum")
-    correct = (logits.argmax(dim=-1) == targets).sum()
+    correct = (logits.argmax(dim=-1) == targets).sum() if count_correct else loss_sum.new_zeros((), dtype=torch.long)
     return loss_sum, torch.full((), targets.numel(), dtype=torch.long, device=targets.device), correct
 
 
@@ -318,6 +319,7 @@ class MaskedLMLoss(torch.nn.Module):
         self.last_layer_subset = last_layer_subset and self.masked_only
         self.draws16 = draws16
         self.looks_for_padding = looks_for_padding_without_mask(model)
+        self.subset_forward: Any = fast_paths.subset_forward  # compiled.compiled_subset_forward under compile
 
     def tie_weights(self) -> None:
         """Tie the model's shared parameters again. accelerate calls this on the module it prepares
@@ -338,7 +340,8 @@ class MaskedLMLoss(torch.nn.Module):
         targets = labels.reshape(-1).index_select(0, loss_positions)  # (N,)
         mask = model_mask(self.model, attention_mask, padded, self.looks_for_padding)
         if self.last_layer_subset:
-            with fast_paths.last_layer_on(self.model, (loss_positions, loss_order, loss_slots), self.draws16):
+            with fast_paths.last_layer_on(self.model, (loss_positions, loss_order, loss_slots), self.draws16,
+                                          self.subset_forward):
                 hidden = self.model.base_model(input_ids=input_ids, attention_mask=mask)[0]  # (N, H)
             logits = getattr(self.model, self.head_name)(hidden)  # (N, V)
         elif self.masked_only:
@@ -346,7 +349,7 @@ class MaskedLMLoss(torch.nn.Module):
             logits = getattr(self.model, self.head_name)(flat_rows(hidden, loss_positions))  # (N, V)
         else:
             logits = flat_rows(self.model(input_ids=input_ids, attention_mask=mask).logits, loss_positions)  # (N, V)
-        return loss_sums(logits, targets)
+        return loss_sums(logits, targets, count_correct=not self.training)  # accuracy: evaluation's only
 
 
 # transformers' ModernBertModel takes {layer type: 4-D mask} as it is, where it would build a full and a
@@ -414,11 +417,15 @@ def flat_rows(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
 
 
 def wrap_model(transformers_model: PreTrainedModel, cfg: ModelConfig, torch_compile: bool,
-               device: torch.device) -> MaskedLMLoss:
+               device: torch.device, compile_options: dict[str, Any] | None = None) -> MaskedLMLoss:
     """The transformers model in its loss wrapper (--mlm_head), with the fast paths that apply
-    (--last_layer_subset, --dropout_draws; each falls back with one log line), compiled if asked."""
+    (--last_layer_subset, --dropout_draws; each falls back with one log line), compiled if asked
+    (`compile_options`: torch.compile's backend and mode)."""
     masked = cfg.mlm_head == "masked"
-    draws16 = cfg.dropout_draws == "16bit" or (cfg.dropout_draws == "auto" and device.type == "cpu")
+    # compiled, dropout is fused into Inductor's kernels with its own draws: the 16-bit draws would only
+    # put a kernel of their own back (auto), and are used where asked for
+    draws16 = cfg.dropout_draws == "16bit" or (cfg.dropout_draws == "auto" and device.type == "cpu"
+                                               and not torch_compile)
     if draws16:
         logger.info("dropout draws 16-bit keep-masks (--dropout_draws %s): %s", cfg.dropout_draws,
                     ", ".join(fast_paths.use_dropout16(transformers_model)) or "the model has no dropout")
@@ -427,7 +434,6 @@ def wrap_model(transformers_model: PreTrainedModel, cfg: ModelConfig, torch_comp
         reason = fast_paths.subset_unsupported(transformers_model)
         reason = reason or ("--gradient_checkpointing recomputes the layer's full forward" if
                             cfg.gradient_checkpointing else None)
-        reason = reason or ("--torch_compile would recompile for every batch's positions" if torch_compile else None)
         if reason:
             logger.info("--last_layer_subset: the last encoder layer runs on every position: %s", reason)
         subset = reason is None
@@ -435,8 +441,13 @@ def wrap_model(transformers_model: PreTrainedModel, cfg: ModelConfig, torch_comp
     if masked and not model.masked_only:
         logger.warning("%s has no single MLM head module (%s): its head runs on every position, as with "
                        "--mlm_head all", type(model.model).__name__, " or ".join(MLM_HEAD_ATTRIBUTES))
-    if torch_compile:
-        model.model.base_model.compile()  # in place: parameter names, so checkpoints, stay the same
+    if torch_compile:  # in place: parameter names, so checkpoints, stay the same
+        head = getattr(model.model, model.head_name) if model.masked_only else None
+        options = {k: v for k, v in (compile_options or {}).items() if v is not None}
+        regions = compiled.compile_regions(model.model, head, model.last_layer_subset, options)
+        logger.info("torch.compile (%s): %s", options.get("backend", "inductor"), ", ".join(regions))
+        if model.last_layer_subset:
+            model.subset_forward = compiled.compiled_subset_forward(options)
     return model
 
 

@@ -53,7 +53,7 @@ RESUMABLE_CHANGES = {
     "run.output_dir", "run.overwrite_output_dir", "run.logging_steps", "run.eval_steps",
     "run.checkpointing_steps", "run.save_total_limit", "run.resume_from_checkpoint", "run.with_tracking",
     "run.report_to", "run.report", "run.stop_signals", "run.ddp_timeout", "run.rendezvous_timeout",
-    "run.preprocessing_timeout",
+    "run.preprocessing_timeout", "training.torch_compile_backend", "training.torch_compile_mode",
     "run.save_timeout", "run.allow_lr_jump", "run.on_nonfinite_loss", "run.on_loss_spike", "run.loss_spike_factor",
     "run.loss_spike_window", "run.peak_tflops", "training.max_train_steps", "training.num_train_epochs",
     "training.cpu_threads",
