@@ -114,6 +114,20 @@ def test_collating_in_worker_processes_trains_the_same_steps(tiny_model: Path, c
     assert sorted(losses[0]) == list(range(1, 6)) and losses[2] == losses[0]
 
 
+@pytest.mark.parametrize(("asked", "device", "stream", "cpus", "expected"), [
+    (None, "cuda", False, 8, 2),  # a GPU with map-style or prepared data: collation off the training thread
+    (None, "cuda", False, 2, 0),  # too few cores: the workers would compete with the training thread
+    (None, "cuda", True, 8, 0),  # a stream's position is exact only in the training process
+    (None, "cpu", False, 8, 0),  # the CPU computes the step on the cores the workers would take
+    (3, "cpu", True, 1, 3),  # what the user asked for, always
+])
+def test_the_default_collates_in_workers_where_the_host_would_set_the_pace(
+        asked: int | None, device: str, stream: bool, cpus: int, expected: int) -> None:
+    from mlm_ddp.data.epochs import loader_workers
+
+    assert loader_workers(asked, device, stream, cpus) == expected
+
+
 def test_streaming_whole_word_run(tiny_model: Path, corpus: dict, tmp_path: Path) -> None:
     from transformers import AutoTokenizer
 

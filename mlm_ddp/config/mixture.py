@@ -100,7 +100,7 @@ def check_sources(data: Any) -> None:
     for i, name in enumerate(names):
         if name in names[:i]:
             raise BadInput(f"--train_names: two sources are both named {name!r}; give each source its own name")
-    if count > 1 and data.streaming and data.dataloader_num_workers > 0:
+    if count > 1 and data.streaming and (data.dataloader_num_workers or 0) > 0:
         raise BadInput(f"--streaming with {count} --train_file sources reads each rank's blocks slot by slot in its "
                        "own process, where its position is exact: drop --dataloader_num_workers "
                        f"{data.dataloader_num_workers}")

@@ -237,7 +237,14 @@ class DataConfig:
         default=None,
     )
     preprocessing_num_workers: int | None = _doc("Processes for tokenization (map-style).", default=None)
-    dataloader_num_workers: int = _doc("DataLoader worker processes per rank.", default=0)
+    dataloader_num_workers: int | None = _doc(
+        "DataLoader worker processes per rank, which collate and mask off the training thread (persistent, "
+        "each prefetching 2 batches). Default: 2 on a CUDA device with map-style or prepared data and at "
+        "least 3 CPUs for the process (there the host's collation would set the GPU step's pace: "
+        "docs/gpu.md), else 0 (a CPU: the workers would take the cores the step computes on; a stream: "
+        "its position is exact only in the training process). Any count trains the same steps.",
+        default=None,
+    )
 
     def __post_init__(self) -> None:
         check_sources(self)
@@ -273,7 +280,7 @@ class DataConfig:
                 raise BadInput(f"--{name} must be at least 1, got {value}")
         if self.shuffle_buffer_size < 1:
             raise BadInput(f"--shuffle_buffer_size must be at least 1, got {self.shuffle_buffer_size}")
-        if self.dataloader_num_workers < 0:
+        if self.dataloader_num_workers is not None and self.dataloader_num_workers < 0:
             raise BadInput(f"--dataloader_num_workers must be >= 0, got {self.dataloader_num_workers}")
 
     # what the section says about its own sources: asked of it, so the data code is handed the section once

@@ -114,7 +114,8 @@ def train_loader(ds: AnyDataset, collator: Any, batch_size: int, rank: int, worl
     whose epochs are laid out for `layout_batch` (the global micro-batch of the run that began the
     training; default: this run's). `pin`: page-locked batches (for a CUDA device), which is what makes
     `to_device`'s non_blocking copies asynchronous; from pageable memory the host waits for each."""
-    common = dict(collate_fn=collator, num_workers=num_workers, generator=own_generator(seed), pin_memory=pin)
+    common = dict(collate_fn=collator, generator=own_generator(seed), pin_memory=pin,
+                  **worker_options(num_workers, persistent=not is_stream(ds)))
     if is_stream(ds):
         return DataLoader(ds, batch_size=batch_size, **common)
     sampler = EpochBatchSampler(len(ds), batch_size, rank, world_size, seed, layout_batch=layout_batch)
@@ -127,5 +128,22 @@ def eval_loader(ds: AnyDataset, collator: Any, batch_size: int, rank: int, world
     `rank_dataset`); nothing is padded or repeated."""
     if not isinstance(ds, IterableDataset) and world_size > 1:
         ds = ds.shard(num_shards=world_size, index=rank, contiguous=True)
-    return DataLoader(ds, batch_size=batch_size, collate_fn=collator, num_workers=num_workers,
-                      generator=own_generator(0), pin_memory=pin)
+    return DataLoader(ds, batch_size=batch_size, collate_fn=collator, generator=own_generator(0), pin_memory=pin,
+                      **worker_options(num_workers, persistent=not isinstance(ds, IterableDataset)))
+
+
+def worker_options(num_workers: int, persistent: bool) -> dict[str, Any]:
+    """DataLoader keywords for `num_workers`, each worker collating 2 batches ahead. `persistent` (map-style
+    data): the workers live as long as the loader, so a new epoch or the next evaluation does not start
+    them again; a stream's workers are started anew for each pass, from the stream as it is then."""
+    if num_workers == 0:
+        return {"num_workers": 0}
+    return {"num_workers": num_workers, "persistent_workers": persistent, "prefetch_factor": 2}
+
+
+def loader_workers(asked: int | None, device_type: str, stream: bool, cpus: int) -> int:
+    """--dataloader_num_workers, or its default: 2 workers on a CUDA device for map-style or prepared data
+    when the process has `cpus` >= 3 (the training thread keeps one), else 0 (DataConfig says why)."""
+    if asked is not None:
+        return asked
+    return 2 if device_type == "cuda" and not stream and cpus >= 3 else 0

@@ -40,7 +40,7 @@ from datasets import Dataset
 from torch.utils.data import DataLoader
 
 from mlm_ddp.config import DataConfig
-from mlm_ddp.data.epochs import EpochBatchSampler, own_generator
+from mlm_ddp.data.epochs import EpochBatchSampler, own_generator, worker_options
 from mlm_ddp.data.masking import EPOCH_KEY, SOURCE_KEY
 from mlm_ddp.data.prepared import MANIFEST, load_prepared
 from mlm_ddp.data.text import AnyDataset, load_held_out, load_text
@@ -297,5 +297,5 @@ def mixture_loader(ds: MixedBlocks, collator: Any, batch_size: int, rank: int, w
                    num_workers: int, layout_batch: int | None = None, pin: bool = False) -> DataLoader:
     """`epochs.train_loader` for a mixture: this rank's slice of every global micro-batch of slots."""
     sampler = MixtureBatchSampler(ds.epoch_slots(), batch_size, rank, world_size, seed, layout_batch)
-    return DataLoader(ds, batch_sampler=sampler, collate_fn=collator, num_workers=num_workers,
-                      generator=own_generator(seed), pin_memory=pin)
+    return DataLoader(ds, batch_sampler=sampler, collate_fn=collator, generator=own_generator(seed), pin_memory=pin,
+                      **worker_options(num_workers, persistent=True))

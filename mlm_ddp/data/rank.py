@@ -4,6 +4,7 @@ collators and the run's length (`rank_data`), and its batches on the device (`to
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -15,7 +16,7 @@ from torch.utils.data import DataLoader
 
 from mlm_ddp.cluster.collectives import any_rank, gather_rows, patient_main_process_first
 from mlm_ddp.config import DataConfig, TrainingConfig
-from mlm_ddp.data.epochs import eval_loader, train_loader
+from mlm_ddp.data.epochs import eval_loader, loader_workers, train_loader
 from mlm_ddp.data.feed import TrainFeed, epoch_steps
 from mlm_ddp.data.masking import EVAL_SPLIT, TRAIN_SPLIT, MaskingCollator
 from mlm_ddp.data.mixed_stream import MixedStream
@@ -105,12 +106,14 @@ def rank_data(data: DataConfig, training: TrainingConfig, tokenizer: Any, raw_tr
     eval_collator = MaskingCollator.for_tokenizer(tokenizer, split=EVAL_SPLIT,
                                                   mlm_probability=data.eval_mlm_probability, **common)
     pin = accelerator.device.type == "cuda"
+    workers = loader_workers(data.dataloader_num_workers, accelerator.device.type, is_stream(train_ds),
+                             len(os.sched_getaffinity(0)))
     make_loader = mixture_loader if isinstance(train_ds, MixedBlocks) else train_loader
     train_dl = make_loader(train_ds, train_collator, training.per_device_train_batch_size, rank, world,
-                           training.seed, data.dataloader_num_workers, layout_batch, pin)
+                           training.seed, workers, layout_batch, pin)
     def held_out(ds: Any) -> DataLoader:
         return eval_loader(ds, eval_collator, training.per_device_eval_batch_size, rank, world,
-                           data.dataloader_num_workers, pin)
+                           workers, pin)
 
     if isinstance(eval_ds, dict):
         eval_dl = {name: held_out(ds) for name, ds in eval_ds.items()}
