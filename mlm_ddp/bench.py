@@ -38,12 +38,14 @@ from typing import Any, Literal
 
 import torch
 from accelerate import Accelerator
+from torch.utils.data import DataLoader
 from transformers import AutoModelForMaskedLM, DataCollatorForLanguageModeling, HfArgumentParser
 
 from mlm_ddp import data as mdata
 from mlm_ddp.cluster import heartbeat, precision, watchdog_cost
 from mlm_ddp.cluster import launcher as distributed
 from mlm_ddp.config import ModelConfig, _doc, from_dict, parse_exactly
+from mlm_ddp.data.epochs import loader_workers, own_generator, worker_options
 from mlm_ddp.data.masking import EVAL_SPLIT, IGNORE_INDEX, TRAIN_SPLIT, MaskingCollator
 from mlm_ddp.errors import BadInput, say
 from mlm_ddp.loop.checkpoint import StopSignals
@@ -89,6 +91,10 @@ class BenchConfig:
     eval_blocks: int = _doc("Held-out blocks for the perplexity comparison.", default=64)
     seed: int = _doc("Seed of the head initialisation, data order and masks.", default=0)
     torch_compile: bool = _doc("Run (b) with --torch_compile.", default=False)
+    workers: int | None = _doc(
+        "(b)'s --dataloader_num_workers: its batches collated in DataLoader workers, ahead of the step, as "
+        "mlm_ddp.train collates them. Default: what mlm_ddp.train picks here (2 on a CUDA device, 0 on a CPU).",
+        default=None)
     mlm_head: Literal["masked", "all"] = _doc("(b)'s --mlm_head, to measure what the masked-only head buys.",
                                               default="masked")
     last_layer_subset: bool = _doc("(b)'s --last_layer_subset.", default=True)
@@ -103,8 +109,9 @@ class BenchConfig:
         for name in ("steps", "repeats", "seq", "batch", "eval_blocks"):
             if getattr(self, name) < 1:
                 raise BadInput(f"--{name} must be at least 1, got {getattr(self, name)}")
-        if self.warmup is not None and self.warmup < 0:
-            raise BadInput(f"--warmup must be >= 0, got {self.warmup}")
+        for name in ("warmup", "workers"):
+            if getattr(self, name) is not None and getattr(self, name) < 0:
+                raise BadInput(f"--{name} must be >= 0, got {getattr(self, name)}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -126,6 +133,7 @@ class Recipe:
     peak_memory: int | None = None  # bytes: peak RSS during its steps (CPU), peak allocated (GPU)
     curve: list[tuple[float, float]] = field(default_factory=list)  # (training seconds, held-out perplexity)
     last_layer_subset: bool = False  # (b)'s last layer ran on the masked positions only
+    workers: int = 0  # DataLoader workers collating (b)'s batches
 
 
 def hf_recipe(model: torch.nn.Module, tokenizer: Any, cfg: BenchConfig, accelerator: Accelerator) -> Recipe:
@@ -157,8 +165,11 @@ def hf_recipe(model: torch.nn.Module, tokenizer: Any, cfg: BenchConfig, accelera
     return Recipe(prepared, model, collate, train, [])
 
 
-def mlm_ddp_recipe(model: torch.nn.Module, tokenizer: Any, cfg: BenchConfig, accelerator: Accelerator) -> Recipe:
-    """mlm_ddp.train's step, through the same functions and defaults."""
+def mlm_ddp_recipe(model: torch.nn.Module, tokenizer: Any, cfg: BenchConfig, accelerator: Accelerator,
+                   schedule: list[list[dict]] | None = None) -> Recipe:
+    """mlm_ddp.train's step, through the same functions and defaults. `schedule`: the blocks of every step
+    (b) will take, in order, which its DataLoader workers (--workers) collate ahead; without it (b) collates
+    in the training thread."""
     train_cfg = from_dict({
         "mlm_head": cfg.mlm_head, "last_layer_subset": cfg.last_layer_subset, "dropout_draws": cfg.dropout_draws,
         "max_seq_length": cfg.seq, "per_device_train_batch_size": cfg.batch,
@@ -175,8 +186,16 @@ def mlm_ddp_recipe(model: torch.nn.Module, tokenizer: Any, cfg: BenchConfig, acc
     stop = StopSignals(train_cfg.run.signal_names())  # its vote slots only: no handler is installed
     unread: list[StepResult | None] = [None]  # the previous step, where its skip is still on the device
 
+    workers = loader_workers(cfg.workers, accelerator.device.type, False, distributed.usable_cores()) if schedule else 0
+    # as mlm_ddp.train's loader: one collated batch per item of the schedule, page-locked on a CUDA device; its
+    # own generator, so that starting workers draws nothing from the one dropout (and (a)'s masks) draw from
+    pin = accelerator.device.type == "cuda"
+    ahead = iter(DataLoader(schedule, batch_size=None, collate_fn=collator, pin_memory=pin, generator=own_generator(0),
+                            **worker_options(workers, persistent=True))) if workers else None
+
     def collate(blocks: list[dict]) -> dict:
-        return mdata.to_device(collator(blocks), accelerator.device)
+        # with workers, the loader's next batch: the schedule is the order in which (b) asks for them
+        return mdata.to_device(collator(blocks) if ahead is None else next(ahead), accelerator.device)
 
     def train(batch: dict) -> torch.Tensor:
         # what mlm_ddp.train does each step: the all-reduce of the step's masked tokens (with the stop and
@@ -187,7 +206,7 @@ def mlm_ddp_recipe(model: torch.nn.Module, tokenizer: Any, cfg: BenchConfig, acc
         unread[0] = result if isinstance(result.stepped, torch.Tensor) else None
         return masked
 
-    return Recipe(prepared, model, collate, train, [], last_layer_subset=wrapped.last_layer_subset)
+    return Recipe(prepared, model, collate, train, [], last_layer_subset=wrapped.last_layer_subset, workers=workers)
 
 
 def load_base_model(model_cfg: ModelConfig, model_config: Any, random_init: bool, seed: int) -> torch.nn.Module:
@@ -251,7 +270,9 @@ def bench(cfg: BenchConfig) -> dict[str, Any]:
 
     base = load_base_model(model_cfg, model_config, cfg.random_init, cfg.seed)
     hf = hf_recipe(copy.deepcopy(base), tokenizer, cfg, accelerator)  # copies: the same start for both
-    ours = mlm_ddp_recipe(copy.deepcopy(base), tokenizer, cfg, accelerator)
+    timed = cfg.warmup + cfg.repeats * cfg.steps  # (b)'s steps, in order, then the profile's 2 of one batch
+    schedule = [batch_at(i) for i in range(timed)] + ([batch_at(timed)] * 2 if cfg.profile else [])
+    ours = mlm_ddp_recipe(copy.deepcopy(base), tokenizer, cfg, accelerator, schedule)
     eval_collator = MaskingCollator.for_tokenizer(tokenizer, split=EVAL_SPLIT, seed=cfg.seed)
     ppl_start = perplexity(base.to(device), held_out, eval_collator, cfg.batch, accelerator)
     del base
@@ -285,7 +306,7 @@ def bench(cfg: BenchConfig) -> dict[str, Any]:
                                                                    f"{torch.backends.cpu.get_cpu_capability()})",
         "torch": torch.__version__, "config": asdict(cfg), "model": resolve_model_path(model_cfg),
         "model_type": model_config.model_type, "trained_tokens": steps_done * cfg.batch * cfg.seq,
-        "peak_tflops": peak / 1e12, "perplexity_start": ppl_start,
+        "peak_tflops": peak / 1e12, "perplexity_start": ppl_start, "workers": ours.workers,
         "memory": "peak allocated" if cuda else "peak RSS of the process during its steps",
     }
     for key, recipe in (("hf", hf), ("mlm_ddp", ours)):
@@ -385,10 +406,11 @@ def profile_table(recipe: Recipe, blocks: list[dict], device: torch.device, step
 
 def format_table(result: dict[str, Any]) -> str:
     cfg, memory_name = result["config"], result["memory"]
+    collates = f"in {result['workers']} DataLoader workers" if result["workers"] else "in the training thread"
     lines = [
         f"mlm_ddp.bench: {result['model_type']} {result['model']}, {cfg['precision']}, seq {cfg['seq']}, "
         f"batch {cfg['batch']}, {cfg['repeats']} x {cfg['steps']} timed steps per recipe after {cfg['warmup']} "
-        f"warm-up, on {result['device']}, torch {result['torch']}",
+        f"warm-up, on {result['device']}, torch {result['torch']}; (b) collates {collates}",
         "",
         f"| recipe | tokens/s (median) | spread (min-max) | training MFLOP/token | TFLOP/s | MFU | "
         f"held-out perplexity after {result['trained_tokens']} tokens | {memory_name} |",
