@@ -23,6 +23,7 @@ waits on the CPU).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import json
@@ -30,10 +31,8 @@ import math
 import statistics
 import sys
 import tempfile
-import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field, replace
-from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -48,10 +47,12 @@ from mlm_ddp.config import ModelConfig, _doc, from_dict, parse_exactly
 from mlm_ddp.data.epochs import loader_workers, own_generator, worker_options
 from mlm_ddp.data.masking import EVAL_SPLIT, IGNORE_INDEX, TRAIN_SPLIT, MaskingCollator
 from mlm_ddp.errors import BadInput, say
+from mlm_ddp.loop import timing
 from mlm_ddp.loop.checkpoint import StopSignals
 from mlm_ddp.loop.optim import build_optimizer
 from mlm_ddp.loop.speed import measure_peak, synchronize, training_flops_per_token
 from mlm_ddp.loop.step import StepResult, agree_on_step, train_step
+from mlm_ddp.loop.timing import device_seconds, max_known, peak_memory, reset_peak_memory, time_to_quality
 from mlm_ddp.model.loading import (
     MaskedLMLoss,
     load_model,
@@ -66,6 +67,12 @@ PRECISIONS = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}  # bench name -> Acc
 # On an H200 (docs/gpu.md, Figures) (b)'s first steps each met a new last-layer query length (2-3 in a run,
 # rounded to 8's), and each first meeting took ~150 ms for cuDNN's attention plan against ~20-30 ms a step
 GPU_WARMUP = 10
+
+
+# --variants: each a (b) with these of its settings
+VARIANTS = {"thread": {"workers": 0, "torch_compile": False}, "workers": {"workers": 2, "torch_compile": False},
+            "compiled": {"workers": 0, "torch_compile": True},
+            "compiled_workers": {"workers": 2, "torch_compile": True}}
 
 
 @dataclass
@@ -100,6 +107,11 @@ class BenchConfig:
     last_layer_subset: bool = _doc("(b)'s --last_layer_subset.", default=True)
     dropout_draws: Literal["auto", "16bit", "torch"] = _doc("(b)'s --dropout_draws.", default="auto")
     optimizer_impl: Literal["fused", "foreach", "for-loop"] = _doc("(b)'s --optimizer_impl.", default="fused")
+    variants: list[str] | None = _doc(
+        "More (b)s, timed in the same alternation: 'thread' (collated in the training thread), 'workers' (in 2 "
+        "DataLoader workers), 'compiled' (--torch_compile, in the thread), 'compiled_workers'; each reported with "
+        "its ratio to (a), so that what collation and compilation buy on this device is read from one run.",
+        default=None)
     profile: bool = _doc("Print a torch.profiler table of (b)'s top operations after the timing.", default=False)
     watchdog_cost: list[int] | None = _doc(
         "Instead of the recipes: the hang watchdog's work at the process group's store per tick, healthy and in a "
@@ -109,6 +121,9 @@ class BenchConfig:
         for name in ("steps", "repeats", "seq", "batch", "eval_blocks"):
             if getattr(self, name) < 1:
                 raise BadInput(f"--{name} must be at least 1, got {getattr(self, name)}")
+        unknown = sorted(set(self.variants or []) - set(VARIANTS))
+        if unknown:
+            raise BadInput(f"--variants {' '.join(unknown)}: not a variant; choose from {', '.join(VARIANTS)}")
         for name in ("warmup", "workers"):
             if getattr(self, name) is not None and getattr(self, name) < 0:
                 raise BadInput(f"--{name} must be >= 0, got {getattr(self, name)}")
@@ -134,6 +149,21 @@ class Recipe:
     curve: list[tuple[float, float]] = field(default_factory=list)  # (training seconds, held-out perplexity)
     last_layer_subset: bool = False  # (b)'s last layer ran on the masked positions only
     workers: int = 0  # DataLoader workers collating (b)'s batches
+    random_state: list[torch.Tensor] = field(default_factory=list)  # its own stream of torch's generators
+
+    @contextlib.contextmanager
+    def own_random_state(self) -> Iterator[None]:
+        """Within it, torch's default generators (the CPU's, the GPU's) are this recipe's own: dropout and
+        (a)'s masks draw from them, so that a recipe draws the same whichever recipes run beside it. Each
+        recipe starts from the state the bench seeded."""
+        cuda = torch.cuda.is_available()
+        with torch.random.fork_rng(devices=[torch.cuda.current_device()] if cuda else []):
+            if self.random_state:
+                torch.set_rng_state(self.random_state[0])
+                if cuda:
+                    torch.cuda.set_rng_state(self.random_state[1])
+            yield
+            self.random_state = [torch.get_rng_state()] + ([torch.cuda.get_rng_state()] if cuda else [])
 
 
 def hf_recipe(model: torch.nn.Module, tokenizer: Any, cfg: BenchConfig, accelerator: Accelerator) -> Recipe:
@@ -273,23 +303,30 @@ def bench(cfg: BenchConfig) -> dict[str, Any]:
     timed = cfg.warmup + cfg.repeats * cfg.steps  # (b)'s steps, in order, then the profile's 2 of one batch
     schedule = [batch_at(i) for i in range(timed)] + ([batch_at(timed)] * 2 if cfg.profile else [])
     ours = mlm_ddp_recipe(copy.deepcopy(base), tokenizer, cfg, accelerator, schedule)
+    variants = {name: mlm_ddp_recipe(copy.deepcopy(base), tokenizer, replace(cfg, **VARIANTS[name]), accelerator,
+                                     schedule[:timed]) for name in cfg.variants or []}
+    recipes = {"hf": hf, "mlm_ddp": ours, **{f"variant:{name}": recipe for name, recipe in variants.items()}}
     eval_collator = MaskingCollator.for_tokenizer(tokenizer, split=EVAL_SPLIT, seed=cfg.seed)
     ppl_start = perplexity(base.to(device), held_out, eval_collator, cfg.batch, accelerator)
     del base
 
-    hf.model.train()
-    ours.model.train()
+    seeded = [torch.get_rng_state()] + ([torch.cuda.get_rng_state()] if cuda else [])
+    for recipe in recipes.values():
+        recipe.model.train()
+        recipe.random_state = [state.clone() for state in seeded]
     steps_done = 0
-    for recipe in (hf, ours):  # warm-up: the same first batches for both
-        for i in range(cfg.warmup):
-            recipe.train(recipe.collate(batch_at(i)))
+    for recipe in recipes.values():  # warm-up: the same first batches for all
+        with recipe.own_random_state():
+            for i in range(cfg.warmup):
+                recipe.train(recipe.collate(batch_at(i)))
     steps_done += cfg.warmup
     for _ in range(cfg.repeats):
-        for recipe in (hf, ours):
+        for recipe in recipes.values():
             was_reset = reset_peak_memory(device)
             masked: list[torch.Tensor] = []  # read after the timing: a read in it would wait for the device
             batches = [batch_at(steps_done + i) for i in range(cfg.steps)]
-            recipe.times.append(device_seconds(device, functools.partial(run_steps, recipe, batches, masked)))
+            with recipe.own_random_state():
+                recipe.times.append(device_seconds(device, functools.partial(run_steps, recipe, batches, masked)))
             recipe.masked += int(sum(masked))
             recipe.tokens += cfg.steps * cfg.batch * cfg.seq
             recipe.peak_memory = max_known(recipe.peak_memory, peak_memory(device, was_reset))
@@ -309,25 +346,28 @@ def bench(cfg: BenchConfig) -> dict[str, Any]:
         "peak_tflops": peak / 1e12, "perplexity_start": ppl_start, "workers": ours.workers,
         "memory": "peak allocated" if cuda else "peak RSS of the process during its steps",
     }
-    for key, recipe in (("hf", hf), ("mlm_ddp", ours)):
+    for key, recipe in recipes.items():
         rates = [cfg.steps * cfg.batch * cfg.seq / t for t in recipe.times]
         share = recipe.masked / recipe.tokens
         flops = training_flops_per_token(model_config, cfg.seq, 1.0 if key == "hf" or cfg.mlm_head == "all" else share,
                                          share if recipe.last_layer_subset else 1.0)
         median = statistics.median(rates)
-        result[key] = {
+        where = result.setdefault("variants", {}) if key.startswith("variant:") else result
+        where[key.removeprefix("variant:")] = {
             "tokens_per_s": median, "tokens_per_s_min": min(rates), "tokens_per_s_max": max(rates),
             "flops_per_token": flops, "tflops": median * flops / 1e12, "mfu": median * flops / peak,
             "perplexity": recipe.curve[-1][1], "peak_memory_bytes": recipe.peak_memory,
         }
     result["ratio"] = result["mlm_ddp"]["tokens_per_s"] / result["hf"]["tokens_per_s"]
+    for figures in result.get("variants", {}).values():
+        figures["ratio"] = figures["tokens_per_s"] / result["hf"]["tokens_per_s"]
     result["time_to_quality"] = time_to_quality(hf.curve, ours.curve)
     step_s = cfg.batch * cfg.seq / result["mlm_ddp"]["tokens_per_s"]
     result["heartbeat"] = {"us_per_beat": beat_s * 1e6, "beats_per_step": heartbeat.BEATS_PER_STEP,
                            "share_of_step": beat_s * heartbeat.BEATS_PER_STEP / step_s}
     result["perplexity_ratio"] = result["mlm_ddp"]["perplexity"] / result["hf"]["perplexity"]
     if cfg.profile:
-        result["profile"] = profile_table(ours, batch_at(steps_done), device)
+        result["profile"], result["seconds_by_kind"] = profile_table(ours, batch_at(steps_done), device)
     return result
 
 
@@ -338,61 +378,10 @@ def run_steps(recipe: Recipe, batches: list[list[dict]], masked: list[torch.Tens
         masked.append(recipe.train(recipe.collate(blocks)))
 
 
-def device_seconds(device: torch.device, work: Callable[[], None]) -> float:
-    """Seconds from now until the device has done what `work` queues: CUDA events around it on a GPU, read
-    once after it (the host queues the steps ahead, as in training), the host's clock on a CPU."""
-    synchronize(device)  # an empty queue: the start is now
-    if device.type != "cuda":
-        started = time.perf_counter()
-        work()
-        return time.perf_counter() - started
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    work()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / 1000
-
-
-def time_to_quality(reference: list[tuple[float, float]], candidate: list[tuple[float, float]]) -> dict[str, Any]:
-    """Training seconds (a) takes to its final perplexity, and (b) to reach it (evaluated after each
-    repeat, so a step resolution of --steps); their ratio, None where (b) never reaches it."""
-    target, seconds_a = reference[-1][1], reference[-1][0]
-    seconds_b = next((t for t, ppl in candidate if ppl <= target), None)
-    return {"target_perplexity": target, "hf_s": seconds_a, "mlm_ddp_s": seconds_b,
-            "ratio": seconds_a / seconds_b if seconds_b else None}
-
-
-def reset_peak_memory(device: torch.device) -> bool:
-    """Start a new high-water mark: CUDA's allocator statistics, or the kernel's peak RSS of this process
-    (Linux: writing 5 to /proc/self/clear_refs resets VmHWM). False where it cannot be reset."""
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-        return True
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-    except OSError:
-        return False
-    return True
-
-
-def peak_memory(device: torch.device, was_reset: bool) -> int | None:
-    """Bytes: peak allocated on the GPU, or the process's peak RSS since the reset; None without a reset
-    (the number would be the whole run's, not the recipe's)."""
-    if not was_reset:
-        return None
-    if device.type == "cuda":
-        return int(torch.cuda.max_memory_allocated(device))
-    status = Path("/proc/self/status").read_text()
-    return next((int(line.split()[1]) * 1024 for line in status.splitlines() if line.startswith("VmHWM:")), None)
-
-
-def max_known(a: int | None, b: int | None) -> int | None:
-    return max((x for x in (a, b) if x is not None), default=None)
-
-
-def profile_table(recipe: Recipe, blocks: list[dict], device: torch.device, steps: int = 2) -> str:
-    """torch.profiler's table of the operations (b) spends its time in, by self time."""
+def profile_table(recipe: Recipe, blocks: list[dict], device: torch.device, steps: int = 2
+                  ) -> tuple[str, dict[str, float]]:
+    """torch.profiler's table of the operations (b) spends its time in, by self time, and its self time per
+    step by kind of kernel (`timing.seconds_by_kind`)."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
@@ -401,7 +390,9 @@ def profile_table(recipe: Recipe, blocks: list[dict], device: torch.device, step
             recipe.train(recipe.collate(blocks))
         synchronize(device)
     sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
-    return prof.key_averages().table(sort_by=sort, row_limit=15, max_name_column_width=60)
+    events = prof.key_averages()
+    kinds = {kind: seconds / steps for kind, seconds in timing.seconds_by_kind(events, device).items()}
+    return events.table(sort_by=sort, row_limit=15, max_name_column_width=60), kinds
 
 
 def format_table(result: dict[str, Any]) -> str:
@@ -416,8 +407,9 @@ def format_table(result: dict[str, Any]) -> str:
         f"held-out perplexity after {result['trained_tokens']} tokens | {memory_name} |",
         "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for key, name in (("hf", "(a) transformers recipe"), ("mlm_ddp", "(b) mlm_ddp")):
-        r = result[key]
+    rows = [(result["hf"], "(a) transformers recipe"), (result["mlm_ddp"], "(b) mlm_ddp")]
+    rows += [(r, f"(b) {name}: {r['ratio']:.2f}x (a)") for name, r in result.get("variants", {}).items()]
+    for r, name in rows:
         memory = "n/a" if r["peak_memory_bytes"] is None else f"{r['peak_memory_bytes'] / 2**30:.2f} GiB"
         lines.append(
             f"| {name} | {r['tokens_per_s']:,.0f} | {r['tokens_per_s_min']:,.0f}-{r['tokens_per_s_max']:,.0f} | "
@@ -459,6 +451,10 @@ def main(argv: list[str] | None = None) -> int:
     print(format_table(result))
     if profile is not None:
         print(f"\ntop operations of (b), {cfg.batch} x {cfg.seq} tokens per step, 2 steps:\n{profile}")
+        print("(b)'s self time per step by kind of kernel: " + ", ".join(
+            f"{kind} {seconds * 1e3:.2f} ms" for kind, seconds in sorted(result["seconds_by_kind"].items())))
+        print("(b)'s self time per step by kind: " + ", ".join(
+            f"{kind} {seconds * 1e3:.2f} ms" for kind, seconds in sorted(result["seconds_by_kind"].items())))
     print(json.dumps({"bench": "mlm_ddp", **result}))
     return 0
 
