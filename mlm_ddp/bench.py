@@ -143,6 +143,7 @@ class Recipe:
     collate: Callable[[list[dict]], dict]  # blocks -> a masked batch on the device (host work and the copy)
     train: Callable[[dict], torch.Tensor]  # one optimizer step on a batch; its masked tokens, on the device
     times: list[float]
+    host_times: list[float] = field(default_factory=list)  # the host's seconds to queue each repeat's steps
     masked: int = 0
     tokens: int = 0
     peak_memory: int | None = None  # bytes: peak RSS during its steps (CPU), peak allocated (GPU)
@@ -326,7 +327,8 @@ def bench(cfg: BenchConfig) -> dict[str, Any]:
             masked: list[torch.Tensor] = []  # read after the timing: a read in it would wait for the device
             batches = [batch_at(steps_done + i) for i in range(cfg.steps)]
             with recipe.own_random_state():
-                recipe.times.append(device_seconds(device, functools.partial(run_steps, recipe, batches, masked)))
+                recipe.times.append(device_seconds(device, functools.partial(run_steps, recipe, batches, masked),
+                                                   recipe.host_times))
             recipe.masked += int(sum(masked))
             recipe.tokens += cfg.steps * cfg.batch * cfg.seq
             recipe.peak_memory = max_known(recipe.peak_memory, peak_memory(device, was_reset))
@@ -357,6 +359,8 @@ def bench(cfg: BenchConfig) -> dict[str, Any]:
             "tokens_per_s": median, "tokens_per_s_min": min(rates), "tokens_per_s_max": max(rates),
             "flops_per_token": flops, "tflops": median * flops / 1e12, "mfu": median * flops / peak,
             "perplexity": recipe.curve[-1][1], "peak_memory_bytes": recipe.peak_memory,
+            "host_s_per_step": statistics.median(recipe.host_times) / cfg.steps,
+            "device_s_per_step": statistics.median(recipe.times) / cfg.steps,
         }
     result["ratio"] = result["mlm_ddp"]["tokens_per_s"] / result["hf"]["tokens_per_s"]
     for figures in result.get("variants", {}).values():

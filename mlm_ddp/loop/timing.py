@@ -20,18 +20,24 @@ KERNEL_KINDS = (("matmul", re.compile(r"gemm|cutlass|cublas|sm\d+_xmma|ampere_|h
                 ("optimizer", re.compile(r"adam|multi_tensor|foreach|fused_adam", re.I)))
 
 
-def device_seconds(device: torch.device, work: Callable[[], None]) -> float:
+def device_seconds(device: torch.device, work: Callable[[], None], host: list[float] | None = None) -> float:
     """Seconds from now until the device has done what `work` queues: CUDA events around it on a GPU, read
-    once after it (the host queues the steps ahead, as in training), the host's clock on a CPU."""
+    once after it (the host queues the steps ahead, as in training), the host's clock on a CPU. `host` gets
+    the seconds the host took to queue it (on a CPU the same): below the device's, the host kept ahead."""
     synchronize(device)  # an empty queue: the start is now
+    started = time.perf_counter()
     if device.type != "cuda":
-        started = time.perf_counter()
         work()
-        return time.perf_counter() - started
+        seconds = time.perf_counter() - started
+        if host is not None:
+            host.append(seconds)
+        return seconds
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     work()
     end.record()
+    if host is not None:
+        host.append(time.perf_counter() - started)
     end.synchronize()
     return start.elapsed_time(end) / 1000
 
