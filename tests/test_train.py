@@ -108,7 +108,9 @@ def test_collating_in_worker_processes_trains_the_same_steps(tiny_model: Path, c
     losses = {}
     for workers in (0, 2):
         out = tmp_path / f"w{workers}"
-        train(parse_args(tiny_args(tiny_model, corpus, out, "--max_train_steps", "5",
+        # 20 blocks, 8 per step: an epoch is 3 steps (metrics.jsonl: epoch 0.33 a step), so the 5 steps cross
+        # into the second, which the workers, alive across epochs, learn of from the sampler's keys alone
+        train(parse_args(tiny_args(tiny_model, corpus, out, "--max_train_steps", "5", "--max_train_samples", "20",
                                    "--dataloader_num_workers", str(workers))))
         losses[workers] = train_losses(out)
     assert sorted(losses[0]) == list(range(1, 6)) and losses[2] == losses[0]
