@@ -94,16 +94,17 @@ def fresh_fsdp(tiny_fresh_head: Path, corpus: dict, tmp_path_factory: pytest.Tem
     return finished_fsdp(tiny_fresh_head, corpus, tmp_path_factory.mktemp("fresh_fsdp") / "run")
 
 
-@pytest.mark.parametrize(("family", "head"), [("bert", "trained"), ("bert", "fresh"), ("roberta", "trained"),
-                                              ("roberta", "fresh")])
+@pytest.mark.parametrize(("family", "head"), [("bert", "trained"), ("bert", "fresh"), ("roberta", "fresh")])
 def test_fsdp_trains_the_ddp_curve(family: str, head: str, request: pytest.FixtureRequest, corpus: dict,
                                    tmp_path: Path) -> None:
     """fp32, dropout off, global batch 16 both ways: FSDP and DDP sum the same gradients in another order
     (reduce-scatter of shards against all-reduce of buckets), which moves fp32 sums by a few ulps (1e-7
     relative); 1e-5 over 20 steps leaves room for that to compound, and not for one parameter trained
-    otherwise (the fresh head's split at the first update was 1e-2)."""
+    otherwise (the fresh head's split at the first update was 1e-2). RoBERTa with its trained head is not
+    run: its units and tie are the fresh case's (the same RobertaForMaskedLM, whose head is made by loading),
+    and a trained head's loading is BERT's case."""
     fixture = {("bert", "trained"): "tiny_model", ("bert", "fresh"): "tiny_fresh_head",
-               ("roberta", "trained"): "tiny_roberta", ("roberta", "fresh"): "tiny_roberta_fresh"}[family, head]
+               ("roberta", "fresh"): "tiny_roberta_fresh"}[family, head]
     model = request.getfixturevalue(fixture)
     layer = {"bert": "BertLayer", "roberta": "RobertaLayer"}[family]
     if family == "bert":
