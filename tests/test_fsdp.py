@@ -94,16 +94,17 @@ def fresh_fsdp(tiny_fresh_head: Path, corpus: dict, tmp_path_factory: pytest.Tem
     return finished_fsdp(tiny_fresh_head, corpus, tmp_path_factory.mktemp("fresh_fsdp") / "run")
 
 
-@pytest.mark.parametrize(("family", "head"), [("bert", "trained"), ("bert", "fresh"), ("roberta", "trained"),
-                                              ("roberta", "fresh")])
+@pytest.mark.parametrize(("family", "head"), [("bert", "trained"), ("bert", "fresh"), ("roberta", "fresh")])
 def test_fsdp_trains_the_ddp_curve(family: str, head: str, request: pytest.FixtureRequest, corpus: dict,
                                    tmp_path: Path) -> None:
     """fp32, dropout off, global batch 16 both ways: FSDP and DDP sum the same gradients in another order
     (reduce-scatter of shards against all-reduce of buckets), which moves fp32 sums by a few ulps (1e-7
     relative); 1e-5 over 20 steps leaves room for that to compound, and not for one parameter trained
-    otherwise (the fresh head's split at the first update was 1e-2)."""
+    otherwise (the fresh head's split at the first update was 1e-2). RoBERTa with its trained head is not
+    run: its units and tie are the fresh case's (the same RobertaForMaskedLM, whose head is made by loading),
+    and a trained head's loading is BERT's case."""
     fixture = {("bert", "trained"): "tiny_model", ("bert", "fresh"): "tiny_fresh_head",
-               ("roberta", "trained"): "tiny_roberta", ("roberta", "fresh"): "tiny_roberta_fresh"}[family, head]
+               ("roberta", "fresh"): "tiny_roberta_fresh"}[family, head]
     model = request.getfixturevalue(fixture)
     layer = {"bert": "BertLayer", "roberta": "RobertaLayer"}[family]
     if family == "bert":
@@ -300,30 +301,23 @@ def test_bf16_trains_within_bf16_rounding_of_fp32(config: str, fresh_fsdp: tuple
 
 
 @pytest.mark.parametrize(("save_timeout", "finishes"), [(60, True), (3, False)])
-def test_a_slow_shard_write_waits_for_save_timeout_not_ddp_timeout(save_timeout: int, finishes: bool,
-                                                                   tiny_fresh_head: Path, corpus: dict,
-                                                                   tmp_path: Path) -> None:
+def test_a_slow_shard_write_and_a_slow_final_gather_wait_for_save_timeout_not_ddp_timeout(
+        save_timeout: int, finishes: bool, tiny_fresh_head: Path, corpus: dict, tmp_path: Path) -> None:
     """Rank 1 writes its shards 8 s late; rank 0 waits in the sharded save's collectives on the training
-    group, whose --ddp_timeout is 3 s. With --save_timeout 60 the save waits and the run finishes (without
-    mlm_ddp's patient_collectives it failed after 3 s, tried by hand); --save_timeout 3 still bounds it."""
+    group, whose --ddp_timeout is 3 s. With --save_timeout 60 the save waits (without mlm_ddp's
+    patient_collectives it failed after 3 s, tried by hand); --save_timeout 3 still bounds it. The run that
+    finishes also has rank 1 gather final/'s state dict 8 s late: issue 44, finding 5, final/'s FSDP gather ran
+    on the training group at --ddp_timeout, and this run would then fail 3 s into its final phase (it was a run
+    of its own, a launch more)."""
     out = tmp_path / "run"
+    final = ["--slow_state_dict", "1:8"] if finishes else []
     proc = run_module(launch("fsdp.yaml", tiny_fresh_head, corpus, out, "--max_train_steps", "2",
                              "--checkpointing_steps", "2", "--ddp_timeout", "3", "--save_timeout", str(save_timeout),
-                             module=("tests.fault_driver", "--slow_shard_write", "1:8")), env=FSDP_ENV, timeout=300)
+                             module=("tests.fault_driver", "--slow_shard_write", "1:8", *final)), env=FSDP_ENV,
+                      timeout=300)
     assert (proc.returncode == 0) == finishes, proc.stderr[-3000:]
     assert (out / "checkpoints" / "step-0000002" / ckpt.MARKER).exists() == finishes
-
-
-def test_a_slow_rank_in_final_s_state_dict_gather_waits_for_save_timeout(tiny_fresh_head: Path, corpus: dict,
-                                                                          tmp_path: Path) -> None:
-    """Issue 44, finding 5: final/'s FSDP state-dict gather ran on the training group at --ddp_timeout.
-    Rank 1 gathers 8 s late against a 3 s --ddp_timeout: with --save_timeout 60 the run finishes."""
-    out = tmp_path / "run"
-    proc = run_module(launch("fsdp.yaml", tiny_fresh_head, corpus, out, "--max_train_steps", "1", "--ddp_timeout",
-                             "3", "--save_timeout", "60", module=("tests.fault_driver", "--slow_state_dict", "1:8")),
-                      env=FSDP_ENV, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert (out / "final" / "model.safetensors").exists()
+    assert (out / "final" / "model.safetensors").exists() == finishes
 
 
 def test_kill_9_during_a_sharded_save_leaves_nothing_latest_would_pick(tiny_model: Path, corpus: dict,

@@ -129,3 +129,21 @@ def test_a_resume_runs_the_optimizer_implementation_it_is_given(tiny_model: Path
     train(parse_args([*args, "--max_train_steps", "3", "--optimizer_impl", "for-loop", "--resume_from_checkpoint",
                       "latest", "--allow_lr_jump"]))
     assert ran == [(False, False, {"cpu"})] * 2
+
+
+def test_the_peak_measured_at_start_up_draws_nothing_from_the_restored_generators() -> None:
+    """Without --peak_tflops a run measures the matmul peak after its checkpoint restored the RNG states
+    (train.build): a draw from torch's global generator there would shift every dropout mask of the resumed
+    steps. The suite's runs mostly give a peak (tiny_args, tests/test_matrix.py), so it is checked here."""
+    import contextlib
+    from types import SimpleNamespace
+
+    import torch
+
+    from mlm_ddp.loop.speed import measure_peak
+
+    accelerator = SimpleNamespace(device=torch.device("cpu"), mixed_precision="no", autocast=contextlib.nullcontext)
+    torch.manual_seed(5)
+    before = torch.random.get_rng_state()
+    assert measure_peak(accelerator, min_seconds=0.0) > 0
+    assert torch.equal(torch.random.get_rng_state(), before)

@@ -95,6 +95,7 @@ class CountCopies(TorchFunctionMode):
 
 
 STEPS = 8
+ACCUMULATION = 2  # micro-batches per optimizer step in the counted runs
 
 
 def record_padded(patch: pytest.MonkeyPatch, record: Callable[[], None]) -> None:
@@ -142,13 +143,6 @@ def count_syncs(args: list[str]) -> dict[str, list[tuple[tuple[int, str], str]]]
     return seen
 
 
-@pytest.fixture(scope="module")
-def counted(tiny_model: Path, corpus: dict, tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """One run of STEPS steps (accumulation 2), counted (count_syncs)."""
-    return count_syncs(tiny_args(tiny_model, corpus, tmp_path_factory.mktemp("syncs"), "--max_train_steps", str(STEPS),
-                                 "--gradient_accumulation_steps", "2", "--logging_steps", "1000", "--report", "false"))
-
-
 def per_step(entries: list[tuple[tuple[int, str], str]], steps: int = STEPS) -> dict[int, list[str]]:
     """Steps 2 .. steps-1 (neither the first, after the evaluation before training, nor the last, which
     logs, evaluates and saves) -> what was counted in it."""
@@ -165,19 +159,12 @@ def describe(steps: dict[int, list[str]]) -> str:
     return "; ".join(f"step {s}: {len(v)} ({', '.join(sorted(set(v)))})" for s, v in steps.items())
 
 
-def test_the_hot_loop_waits_for_the_device_once_per_optimizer_step(counted: dict) -> None:
-    """Exactly the budget, neither 0 (the modes saw nothing) nor more: the read of the step's all-reduce."""
-    steps = waits(counted)
-    print(f"syncs and copies of Python data per optimizer step (accumulation 2): {describe(steps)}")
-    assert any(what.startswith("tolist loop/step.py") for what in steps[2]), "nothing counted: the modes saw no step"
-    assert all(len(v) == SYNC_BUDGET for v in steps.values()), describe(steps)
-
-
-def test_no_step_and_no_evaluation_batch_copies_python_data_to_the_device(counted: dict) -> None:
+def test_no_step_and_no_evaluation_batch_copies_python_data_to_the_device(padded_counted: dict) -> None:
     """Before issue 36: the loss sums' count, once per micro-batch and per evaluation batch
-    (model.loss_sums), and the stop votes, once per step (step.agree_on_step)."""
-    steps = per_step(counted["copies"])
-    evaluation = [what for (_, phase), what in counted["copies"] if phase == "eval"]
+    (model.loss_sums), and the stop votes, once per step (step.agree_on_step). Counted in each padded run
+    (their steps hold unpadded micro-batches too, and they evaluate the corpus' held-out text)."""
+    steps = per_step(padded_counted["copies"])
+    evaluation = [what for (_, phase), what in padded_counted["copies"] if phase == "eval"]
     print(f"copies of Python data: per step {[len(v) for v in steps.values()]}, in the evaluations {len(evaluation)}")
     assert all(not v for v in steps.values()), steps
     assert not evaluation, evaluation
@@ -222,19 +209,25 @@ def padded_counted(request: pytest.FixtureRequest, tiny_model: Path, corpus: dic
                    tmp_path_factory: pytest.TempPathFactory) -> dict:
     """Runs like `counted` whose quiet steps hold padded micro-batches (PADDED_RUNS), counted."""
     root = tmp_path_factory.mktemp("padded")
-    return count_syncs(tiny_args(tiny_model, corpus, root / "run", "--max_train_steps", str(STEPS),
-                                 "--gradient_accumulation_steps", "2", "--logging_steps", "1000", "--report", "false",
-                                 *PADDED_RUNS[request.param](root)))
+    counted = count_syncs(tiny_args(tiny_model, corpus, root / "run", "--max_train_steps", str(STEPS),
+                                    "--gradient_accumulation_steps", str(ACCUMULATION), "--logging_steps", "1000",
+                                    "--report", "false", *PADDED_RUNS[request.param](root)))
+    return {**counted, "run": request.param}
 
 
 def test_a_padded_micro_batch_costs_no_wait_for_the_device(padded_counted: dict) -> None:
-    """The same budget with padding in every quiet step: sdpa gets the 4-D mask (model.padding_mask_4d), so
-    transformers' mask builder, which reads `padding_mask.all()` back, never runs. Before issue 46: one more
-    per padded micro-batch (2 or 3 per step here)."""
+    """Exactly the budget, neither 0 (the modes saw nothing) nor more: the read of the step's all-reduce, with
+    padding in every quiet step: sdpa gets the 4-D mask (model.padding_mask_4d), so transformers' mask builder,
+    which reads `padding_mask.all()` back, never runs. Before issue 46: one more per padded micro-batch (2 or 3
+    per step here). The packed run's steps read unpadded blocks beside the short one: the hot loop's budget
+    without padding is this count too (a run of the whole corpus, counted apart, was the same check again)."""
     padded = per_step(padded_counted["padded"])
     steps = waits(padded_counted)
-    print(f"padded micro-batches per quiet step {[len(v) for v in padded.values()]}; waits: {describe(steps)}")
+    print(f"padded micro-batches per quiet step {[len(v) for v in padded.values()]}; syncs and copies of Python "
+          f"data per optimizer step (accumulation 2): {describe(steps)}")
     assert all(padded.values()), f"a quiet step without a padded micro-batch proves nothing: {padded}"
+    if padded_counted["run"].startswith("packed"):  # and one with an unpadded micro-batch: the plain hot loop
+        assert any(len(v) < ACCUMULATION for v in padded.values()), f"no unpadded micro-batch counted: {padded}"
     assert any(what.startswith("tolist loop/step.py") for what in steps[2]), "nothing counted: the modes saw no step"
     assert all(len(v) == SYNC_BUDGET for v in steps.values()), describe(steps)
 
