@@ -45,8 +45,9 @@ from mlm_ddp.loop.spikes import LossSpikes
 from mlm_ddp.loop.step import SkippedSteps, StepResult, agree_on_step, settle_step, train_step
 from mlm_ddp.model.loading import load_model, load_model_config, load_tokenizer, max_positions
 from mlm_ddp.run import probing
+from mlm_ddp.run.card import model_card
 from mlm_ddp.run.hub import check_hub, push
-from mlm_ddp.run.run_folder import RunFolder, Start, agree_on_resume, model_card
+from mlm_ddp.run.run_folder import RunFolder, Start, agree_on_resume
 from mlm_ddp.run.run_log import RunLog, check_trackers, describe_start, utilisation
 
 logger = get_logger(__name__)
