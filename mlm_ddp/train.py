@@ -36,14 +36,14 @@ from mlm_ddp.cluster import launcher as distributed
 from mlm_ddp.cluster.heartbeat import Beat, Heartbeat
 from mlm_ddp.config import Config, parse_args
 from mlm_ddp.data.rank import train_feed
-from mlm_ddp.errors import EXIT_FAILED, BadInput, Preempted, RunEnded, say
+from mlm_ddp.errors import EXIT_FAILED, Preempted, RunEnded, say
 from mlm_ddp.loop import branch
 from mlm_ddp.loop import checkpoint as ckpt
 from mlm_ddp.loop.evaluation import Evaluator, masked_note, sources_line
 from mlm_ddp.loop.optim import prepare_for_training
 from mlm_ddp.loop.spikes import LossSpikes
 from mlm_ddp.loop.step import SkippedSteps, StepResult, agree_on_step, settle_step, train_step
-from mlm_ddp.model.loading import load_model, load_model_config, load_tokenizer, max_positions
+from mlm_ddp.model.loading import check_fits, load_model, load_model_config, load_tokenizer
 from mlm_ddp.run import probing
 from mlm_ddp.run.card import model_card
 from mlm_ddp.run.hub import check_hub, push
@@ -103,24 +103,24 @@ class Checked:
     raw_eval: Any
 
 
-def preflight(cfg: Config) -> Checked:
+def check_inputs(cfg: Config) -> tuple[Any, Any]:
+    """What needs no process and writes nothing (submit checks it too); returns (tokenizer, model config)."""
     branch.resolve(cfg)  # --decay_from: the run's end and decay, in steps (branch.py)
     tokenizer = load_tokenizer(cfg.model, needs_word_ids=cfg.data.whole_word_mask)
     model_config = load_model_config(cfg.model, tokenizer)
-    limit = max_positions(model_config, tokenizer)
-    if cfg.data.max_seq_length > limit:
-        raise BadInput(f"--max_seq_length {cfg.data.max_seq_length} is above the model's maximum of "
-                       f"{limit} tokens; use --max_seq_length {limit} or less")
-    if len(tokenizer) > model_config.vocab_size:
-        raise BadInput(f"the tokenizer has {len(tokenizer)} tokens but the model's vocabulary only "
-                       f"{model_config.vocab_size}; pass the model's own tokenizer")
+    check_fits(cfg.data.max_seq_length, model_config, tokenizer)
+    probing.check(cfg)
+    return tokenizer, model_config
+
+
+def preflight(cfg: Config) -> Checked:
+    tokenizer, model_config = check_inputs(cfg)
     topo = distributed.detect()
     cfg.training.gradient_accumulation_steps = cfg.training.accumulation_for(topo.world_size)  # --global_batch_size
     fsdp_plugin = distributed.fsdp_plugin_from_launcher()
     collectives.check_fsdp_plugin(fsdp_plugin, cuda=bool(topo.cuda_devices))
     chosen = precision.choose_precision(cfg.training.mixed_precision, precision.launcher_precision(),
                                         precision.hardware(topo))
-    probing.check(cfg)
     folder = RunFolder(cfg)
     start = folder.plan(topo.world_size, sharded=fsdp_plugin is not None,
                         stream_bytes=functools.partial(stream_bytes, cfg))

@@ -35,6 +35,7 @@ from transformers import HfArgumentParser, PreTrainedModel
 from mlm_ddp.config import parse_exactly
 from mlm_ddp.data.text import _builder_for, _load, check_columns
 from mlm_ddp.errors import BadInput, say
+from mlm_ddp.model.loading import check_local
 from mlm_ddp.probe.compare import change, describe_change, settings
 from mlm_ddp.probe.config import ProbeConfig
 from mlm_ddp.probe.features import (
@@ -383,6 +384,8 @@ def main(argv: list[str] | None = None) -> int:
         data = load_probe_data(cfg)  # every data problem is found before any model is loaded
         for note in data.notes:
             say(f"{PROG}: warning: {note}")
+        for name in positional.models:  # a missing folder, before transformers takes it for a Hub id
+            check_local(name, "MODEL")
         device = default_device()
         results = {name: probe(name, None, cfg, device, data) for name in positional.models}
     except BadInput as err:

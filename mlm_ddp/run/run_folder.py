@@ -26,7 +26,7 @@ from accelerate.logging import get_logger
 from mlm_ddp import data as mdata
 from mlm_ddp.cluster import flight
 from mlm_ddp.cluster.collectives import MainProcessWait, patient_collectives
-from mlm_ddp.cluster.durable import write_atomic
+from mlm_ddp.cluster.durable import unwritable, write_atomic
 from mlm_ddp.config import Config
 from mlm_ddp.errors import EXIT_REQUEUE, AlreadyFinished, BadInput
 from mlm_ddp.loop import branch
@@ -289,8 +289,8 @@ class RunFolder:
     def _folder_plan(self) -> FolderPlan:
         """The folder's part of the plan: what to resume from, whether to clear what is there."""
         out, run = self.path, self.cfg.run
-        if out.exists() and not out.is_dir():
-            raise BadInput(f"--output_dir {out} exists and is not a folder")
+        if (problem := unwritable(out)) is not None:  # a read-only place failed the first write with a traceback
+            raise BadInput(f"--output_dir {out}: {problem}; choose another --output_dir")
         earlier = self.earlier_outputs()
         if run.decay_from is not None:
             return self._plan_branch(earlier)
