@@ -32,7 +32,7 @@ from transformers import HfArgumentParser
 
 from mlm_ddp.cluster import launcher as distributed
 from mlm_ddp.config import _doc, parse_args
-from mlm_ddp.data import check_files
+from mlm_ddp.data import check_files, data_notes
 from mlm_ddp.errors import EXIT_BAD_INPUT, EXIT_REQUEUE, AlreadyFinished, BadInput, Preempted
 from mlm_ddp.train import check_inputs, setup_logging, train
 
@@ -191,6 +191,8 @@ def submit(args: SubmitConfig, train_argv: list[str]) -> Any:
                           f"{out} yourself or choose another --output_dir, and submit without --overwrite_output_dir")
     check_inputs(cfg)  # what train refuses before it starts: the model, --max_seq_length, the probe's files
     check_files(cfg.data)  # and what loading its data would: a folder, a missing file, text that is not UTF-8
+    for note in data_notes(cfg.data):
+        print(f"mlm_ddp.submit: warning: {note}", file=sys.stderr)
     if args.cluster == "slurm" and (missing := [c for c in ("sbatch", "srun") if shutil.which(c) is None]):
         raise BadInput(f"--cluster slurm: {' and '.join(missing)} not found on PATH (submit from a Slurm login node), "
                        "or run here with --cluster local or --cluster debug")

@@ -101,6 +101,7 @@ class Checked:
     hub_repo: str | None  # where --push_to_hub uploads final/ (rank 0, which uploads; None elsewhere)
     raw_train: Any
     raw_eval: Any
+    notes: list[str]  # warning lines: inputs taken as given that are likely a mistake (logged once the run starts)
 
 
 def check_inputs(cfg: Config) -> tuple[Any, Any]:
@@ -109,7 +110,7 @@ def check_inputs(cfg: Config) -> tuple[Any, Any]:
     tokenizer = load_tokenizer(cfg.model, needs_word_ids=cfg.data.whole_word_mask)
     model_config = load_model_config(cfg.model, tokenizer)
     check_fits(cfg.data.max_seq_length, model_config, tokenizer)
-    probing.check(cfg)
+    probing.check(cfg)  # its warnings (a test set that is the training set) are said when it runs
     return tokenizer, model_config
 
 
@@ -127,7 +128,7 @@ def preflight(cfg: Config) -> Checked:
     trackers, hub_repo = check_trackers(cfg.run), check_hub(cfg.run, uploads=topo.rank == 0)
     raw_train, raw_eval = mdata.load_data(cfg.data, cfg.training.seed, tokenizer)  # one source, several, or prepared
     return Checked(tokenizer, model_config, topo, fsdp_plugin, chosen, folder, start, trackers, hub_repo,
-                   raw_train, raw_eval)
+                   raw_train, raw_eval, folder.notes())
 
 
 def stream_bytes(cfg: Config) -> int | None:
@@ -393,6 +394,8 @@ def train(cfg: Config, hooks: Hooks | None = None) -> TrainResult:
         checked = preflight(cfg)
         stop.end_if_received()  # a SIGTERM during preflight: the launcher stops this start
         run = build(cfg, checked, hooks or Hooks())
+        for note in checked.notes:  # warned once the accelerator's logger is up: on the main process only
+            logger.warning("%s", note)
         # runs last: after the heartbeat stopped using the process group's store
         on_exit.push(functools.partial(collectives.tear_down_after, RunEnded, run.accelerator, run.wait))
         on_exit.callback(run.log.close)  # however the run ends, so that an error message starts a line of its own

@@ -1,6 +1,8 @@
 """Issue 57's table: what a user gets wrong, tool by tool, and what each entry point says. A refusal is exit 2 and
-one error line naming the flag and the fix, no traceback, nothing written in the output folder. Every case runs in
-this process through the tool's own `main(argv)`, before any model is trained: seconds for the whole table."""
+one error line naming the flag and the fix, no traceback, nothing written in the output folder; a silent mistake
+(accepted, likely not meant) is one warning line and the run goes on. Every case runs in this process through the
+tool's own `main(argv)` (or, for the warnings, the preflight that logs them), before any model is trained: seconds
+for the whole table."""
 
 from __future__ import annotations
 
@@ -175,6 +177,35 @@ def test_a_truncated_mask_and_stdin_not_utf8_are_one_line(tiny_model: Path, monk
     monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(b"caf\xe9 [MASK]\n"), encoding="utf-8"))
     assert main([str(tiny_model)]) == 2
     assert "stdin is not UTF-8 text" in capsys.readouterr().err
+
+
+def test_a_silent_mistake_is_one_warning_line_and_the_run_goes_on(tiny_model: Path, corpus: dict,
+                                                                  tmp_path: Path) -> None:
+    """Accepted as given, each said once before the run starts: a weight with one source, a held-out file that is
+    a training file, a folder of the user's own files (kept: a run touches only its own names), a probe scored on
+    its own training set."""
+    from mlm_ddp.config import parse_args
+    from mlm_ddp.probe.config import ProbeConfig
+    from mlm_ddp.probe.standalone import load_probe_data
+    from mlm_ddp.train import preflight
+
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "notes.txt").write_text("a user's own file")
+    same = f"{corpus['train'].parent}/./{corpus['train'].name}"  # the same file, written otherwise
+    cfg = parse_args(tiny_args(tiny_model, corpus, out, "--train_weights", "0.3", "--validation_file", str(same)))
+    notes = preflight(cfg).notes
+    expected = ["--train_weights 0.3 with one --train_file: a weight is a share among several sources",
+                f"--validation_file {same} is also a --train_file: the held-out loss is then measured on text",
+                f"--output_dir {out} holds files of no run (notes.txt): the run's files go beside them"]
+    assert len(notes) == len(expected) and all(n.startswith(e) for n, e in zip(notes, expected, strict=True)), notes
+    assert all("\n" not in note for note in notes)
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]  # preflight writes nothing
+    labeled = tmp_path / "task.csv"
+    labeled.write_text("text,label\n" + "".join(f"text {i},{i % 2}\n" for i in range(20)))
+    probe_notes = load_probe_data(ProbeConfig(train_file=str(labeled), test_file=str(labeled))).notes
+    assert len(probe_notes) == 1, probe_notes
+    assert probe_notes[0].startswith(f"--train_file {labeled} is also the test set (--test_file {labeled})")
 
 
 def test_prepare_leaves_nothing_of_a_prepare_a_bad_file_stopped(tiny_model: Path, tmp_path: Path,

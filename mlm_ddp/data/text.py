@@ -267,3 +267,19 @@ def _load(path: str, name: str | None, data_files: dict | None, streaming: bool,
         raise BadInput(f"{flag}: expected named splits, got {type(loaded).__name__}")
     return dict(loaded)
 
+
+def data_notes(cfg: DataConfig) -> list[str]:
+    """Data flags a run accepts that are likely a mistake: one warning line each (the run goes on)."""
+    notes = []
+    if cfg.train_weights is not None and len(cfg.train_file or []) == 1:
+        notes.append(f"--train_weights {cfg.train_weights[0]:g} with one --train_file: a weight is a share among "
+                     "several sources, so this one source gets every token whatever its weight; drop --train_weights "
+                     "or give more --train_file sources")
+    trained = {Path(f).resolve() for f in cfg.train_file or []}
+    for path in cfg.validation_file or []:
+        if Path(path).resolve() in trained:
+            notes.append(f"--validation_file {path} is also a --train_file: the held-out loss is then measured on "
+                         "text the model trains on (memorised, not generalised); give another file, or leave "
+                         "--validation_file out to hold out --validation_split_percentage of the text")
+    return notes
+

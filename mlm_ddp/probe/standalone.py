@@ -250,9 +250,13 @@ def load_probe_data(cfg: ProbeConfig) -> ProbeData:
                        "add examples of them to the training set or drop them from the test set."
                        + (f" ({'; '.join(alike[:SHOWN])} are one number written two ways: a label written as text "
                           "is read as written, so write them alike)" if alike else ""))
+    same = (cfg.dataset_name is None and Path(cfg.train_file).resolve() == Path(cfg.test_file).resolve()
+            or cfg.dataset_name is not None and cfg.train_split == cfg.test_split)
+    same_note = (f"{train_where} is also the test set ({test_where}): a classifier scored on the texts it was fit on "
+                 "measures memorising, not the features; give another test set") if same else None
     return ProbeData(train_texts, np.array([number[v] for v in train_labels], dtype=np.int64),
                      test_texts, np.array([number[v] for v in test_labels], dtype=np.int64), classes,
-                     [note for note in (train_note, test_note) if note])
+                     [note for note in (train_note, test_note, same_note) if note])
 
 
 def check_probe_data(cfg: ProbeConfig) -> None:

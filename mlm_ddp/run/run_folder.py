@@ -247,6 +247,20 @@ class RunFolder:
     def earlier_outputs(self) -> list[str]:
         return [name for name in RUN_OUTPUTS if (self.path / name).exists()]
 
+    def notes(self) -> list[str]:
+        """Warning lines about what this run will write from and into (the run goes on): the data flags'
+        (`data_notes`), and --output_dir holding files of no run (the user's own). Those are warned, not refused as
+        prepare refuses them: a run touches only its own names (RUN_OUTPUTS, which alone --overwrite_output_dir
+        removes), and a run's folder often holds files before its first start (submit's submitit/, a job's log)."""
+        notes = mdata.data_notes(self.cfg.data)
+        if not self.path.is_dir() or self.earlier_outputs():
+            return notes
+        theirs = sorted(p.name for p in self.path.iterdir() if p.name != "submitit" and not p.name.startswith("."))
+        shown = ", ".join(theirs[:5]) + (f" and {len(theirs) - 5} more" if len(theirs) > 5 else "")
+        return notes + ([f"--output_dir {self.path} holds files of no run ({shown}): the run's files go beside them "
+                         "(not removed, not even by --overwrite_output_dir); choose an empty --output_dir to keep them "
+                         "apart"] if theirs else [])
+
     def _is_same_run(self) -> bool:
         """The folder holds an attempt of this very run: its config.yaml differs only in settings a
         resume may change (or it died before writing one, leaving no metrics, model or summary behind)."""
