@@ -17,6 +17,7 @@ import torch
 
 from mlm_ddp.errors import BadInput, say
 from mlm_ddp.loop.trained import load_for_prediction
+from mlm_ddp.model.loading import check_local
 
 
 @dataclass(frozen=True)
@@ -65,7 +66,7 @@ def format_predictions(text: str, tuned: list[list[Prediction]], base: list[list
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="mlm_ddp.predict", description=__doc__.split("\n")[0], allow_abbrev=False)
-    p.add_argument("model", help="final/ folder, model folder or checkpoints/step-N folder")
+    p.add_argument("model", metavar="MODEL", help="final/ folder, model folder or checkpoints/step-N folder")
     p.add_argument("texts", nargs="*", help="texts with the mask token; none: one per line from stdin")
     p.add_argument("--top_k", type=int, default=5, help="predictions per mask token")
     p.add_argument("--compare", metavar="BASE_MODEL", default=None,
@@ -86,6 +87,9 @@ def main(argv: list[str] | None = None) -> int:
             raise BadInput(f"--top_k must be at least 1, got {args.top_k}")
         if not texts:
             raise BadInput("no text given: pass texts as arguments or one per line on stdin")
+        for name, given in ((args.model, "MODEL"), (args.compare, "--compare")):
+            if name is not None:
+                check_local(name, given)
         model, tokenizer = load_for_prediction(args.model)
         base = load_for_prediction(args.compare) if args.compare else None
         for i, text in enumerate(texts):

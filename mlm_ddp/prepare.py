@@ -37,7 +37,7 @@ from datasets.arrow_writer import ArrowWriter
 from transformers import HfArgumentParser
 
 from mlm_ddp.cluster import launcher as distributed
-from mlm_ddp.cluster.durable import fsync_dir, write_atomic
+from mlm_ddp.cluster.durable import fsync_dir, unwritable, write_atomic
 from mlm_ddp.config import DataConfig, ModelConfig, _doc, parse_exactly
 from mlm_ddp.data import prepared as fmt
 from mlm_ddp.data.pack import TOKENIZE_BATCH
@@ -234,8 +234,12 @@ def run_task(folder: Path, plan: dict[str, Any], task: int, packer: Packer, work
     if tasks > 1:  # the tasks of later files need these rows: count them first (cheap) and share them
         for index in files:
             file_rows(folder, plan, index, known)
-    with Workers(packer, workers) as pool:
-        records = [write_file(pool, folder, plan, index, known, tmp) for index in files]
+    try:
+        with Workers(packer, workers) as pool:
+            records = [write_file(pool, folder, plan, index, known, tmp) for index in files]
+    except BadInput:  # a bad input file: no half part is left behind (a killed task's is removed by the next)
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     write_atomic(tmp / fmt.PART_FILE, json.dumps({"task": task, "tasks": tasks, "files": records}, indent=1))
     write_atomic(tmp / fmt.MARKER, "ok\n")  # last, once the shards and part.json are on the disk
     fsync_dir(tmp)  # every entry of the part on the disk before the rename makes it complete
@@ -329,13 +333,19 @@ def which_task(opts: PrepareConfig) -> tuple[int, int]:
 
 def planned(model: ModelConfig, data: DataConfig, opts: PrepareConfig, tasks: int) -> tuple[Any, Path, dict]:
     """(the tokenizer, the folder, its plan): the plan made, and written or checked against the folder's."""
-    from mlm_ddp.model.loading import load_tokenizer
+    from mlm_ddp.model.loading import check_fits, from_scratch, load_model_config, load_tokenizer
 
+    folder = Path(opts.output_dir)
+    if (problem := unwritable(folder)) is not None:  # a read-only place, a file: a traceback at the first write
+        raise BadInput(f"--output_dir {folder}: {problem}; choose another --output_dir")
     corpus = resolve(data)
     for split, files in corpus.left_out.items():
         say(f"{PROG}: the {split!r} split ({len(files)} file(s)) is left out, as training leaves it out")
     tokenizer = load_tokenizer(model, needs_word_ids=data.whole_word_mask)
-    folder = Path(opts.output_dir)
+    # training's own check, so that no corpus is written that the model cannot read (with only --tokenizer_name:
+    # the tokenizer's limit; the model is named at training)
+    given = model.model_name_or_path is not None or from_scratch(model)
+    check_fits(data.max_seq_length, load_model_config(model, tokenizer) if given else None, tokenizer)
     plan = make_plan(data, corpus, tokenizer, opts.seed, tasks)
     fix_plan(folder, plan, opts.overwrite_output_dir)
     return tokenizer, folder, plan
@@ -347,13 +357,16 @@ def prepare(model: ModelConfig, data: DataConfig, opts: PrepareConfig, task: int
     if opts.overwrite_output_dir and tasks > 1:
         raise BadInput("--overwrite_output_dir with several tasks: one task would remove what the others write; "
                        f"remove {opts.output_dir} before submitting the array, or use --nodes, which removes it first")
+    folder = Path(opts.output_dir)
+    made = [p for p in (folder, folder / fmt.PLAN) if not p.exists()]  # what this call creates, if anything
     tokenizer, folder, plan = planned(model, data, opts, tasks)
     packer = Packer(tokenizer, data.max_seq_length, data.whole_word_mask, data.line_by_line,
                     "uint16" if len(tokenizer) <= 2**16 else "uint32")
     workers = opts.num_workers or len(os.sched_getaffinity(0))
     try:
         try:
-            run_task(folder, plan, task, packer, workers)
+            with cleared_on_bad_input(folder, made if tasks == 1 else []):
+                run_task(folder, plan, task, packer, workers)
         except OSError:
             if not fmt.part_complete(folder, task, tasks):
                 raise
@@ -363,6 +376,23 @@ def prepare(model: ModelConfig, data: DataConfig, opts: PrepareConfig, task: int
     except OSError as err:  # a full disk, a quota, a folder that went away
         raise BadInput(f"--output_dir {folder}: could not be written ({err.strerror or err}); free space or fix it "
                        "and run the same command again: complete parts are kept, this task is redone") from err
+
+
+@contextlib.contextmanager
+def cleared_on_bad_input(folder: Path, made: list[Path]) -> Iterator[None]:
+    """A bad input file found while reading (a column that is not text, an unreadable row) leaves nothing of a
+    prepare that this call began (`made`: the folder and plan it created; one task only, else another task may be
+    using them): not a plan that a fixed rerun would have to match, nor half a part."""
+    try:
+        yield
+    except BadInput:
+        if folder / fmt.PLAN in made:
+            for name in (fmt.PLAN, fmt.ROWS, fmt.PARTS):
+                target = folder / name
+                shutil.rmtree(target, ignore_errors=True) if target.is_dir() else target.unlink(missing_ok=True)
+            if folder in made and not any(folder.iterdir()):
+                folder.rmdir()
+        raise
 
 
 class PrepareTask:

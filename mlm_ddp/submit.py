@@ -32,8 +32,9 @@ from transformers import HfArgumentParser
 
 from mlm_ddp.cluster import launcher as distributed
 from mlm_ddp.config import _doc, parse_args
+from mlm_ddp.data import check_files, data_notes
 from mlm_ddp.errors import EXIT_BAD_INPUT, EXIT_REQUEUE, AlreadyFinished, BadInput, Preempted
-from mlm_ddp.train import setup_logging, train
+from mlm_ddp.train import check_inputs, setup_logging, train
 
 BAD_INPUT_PREFIX = "mlm_ddp.submit: error: "  # how a task's bad-input line starts; --wait looks for it
 
@@ -188,11 +189,10 @@ def submit(args: SubmitConfig, train_argv: list[str]) -> Any:
         raise BadInput(f"--overwrite_output_dir: every attempt of this job, requeues included, resumes "
                           f"--output_dir {out} (--resume_from_checkpoint auto), so it cannot erase it; remove "
                           f"{out} yourself or choose another --output_dir, and submit without --overwrite_output_dir")
-    files = [*(("--train_file", f) for f in cfg.data.train_file or []),
-             *(("--validation_file", f) for f in cfg.data.validation_file or [])]
-    for flag, value in files:
-        if not Path(value).exists():
-            raise BadInput(f"{flag} {value}: no such file (the job would fail on it)")
+    check_inputs(cfg)  # what train refuses before it starts: the model, --max_seq_length, the probe's files
+    check_files(cfg.data)  # and what loading its data would: a folder, a missing file, text that is not UTF-8
+    for note in data_notes(cfg.data):
+        print(f"mlm_ddp.submit: warning: {note}", file=sys.stderr)
     if args.cluster == "slurm" and (missing := [c for c in ("sbatch", "srun") if shutil.which(c) is None]):
         raise BadInput(f"--cluster slurm: {' and '.join(missing)} not found on PATH (submit from a Slurm login node), "
                        "or run here with --cluster local or --cluster debug")

@@ -35,6 +35,7 @@ from datasets import Dataset
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 from transformers import BertTokenizerFast, HfArgumentParser
 
+from mlm_ddp.cluster.durable import unwritable
 from mlm_ddp.config import DataConfig, _doc, parse_exactly
 from mlm_ddp.data import AnyDataset, load_text
 from mlm_ddp.errors import BadInput
@@ -217,8 +218,8 @@ def train_wordpiece(texts: TextBatches, cfg: TokenizerConfig) -> Tokenizer:
 
 def check_output_dir(cfg: TokenizerConfig) -> Path:
     output = Path(cfg.output_dir)
-    if output.exists() and not output.is_dir():
-        raise BadInput(f"--output_dir {output}: is a file, not a folder")
+    if (problem := unwritable(output)) is not None:  # a read-only place, a file: a traceback after the training
+        raise BadInput(f"--output_dir {output}: {problem}; choose another --output_dir")
     held = [name for name in TOKENIZER_FILES if (output / name).exists()]
     if held and not cfg.overwrite_output_dir:
         raise BadInput(f"--output_dir {output} already holds a tokenizer ({', '.join(held)}); pass "

@@ -36,17 +36,18 @@ from mlm_ddp.cluster import launcher as distributed
 from mlm_ddp.cluster.heartbeat import Beat, Heartbeat
 from mlm_ddp.config import Config, parse_args
 from mlm_ddp.data.rank import train_feed
-from mlm_ddp.errors import EXIT_FAILED, BadInput, Preempted, RunEnded, say
+from mlm_ddp.errors import EXIT_FAILED, Preempted, RunEnded, say
 from mlm_ddp.loop import branch
 from mlm_ddp.loop import checkpoint as ckpt
 from mlm_ddp.loop.evaluation import Evaluator, masked_note, sources_line
 from mlm_ddp.loop.optim import prepare_for_training
 from mlm_ddp.loop.spikes import LossSpikes
 from mlm_ddp.loop.step import SkippedSteps, StepResult, agree_on_step, settle_step, train_step
-from mlm_ddp.model.loading import load_model, load_model_config, load_tokenizer, max_positions
+from mlm_ddp.model.loading import check_fits, load_model, load_model_config, load_tokenizer
 from mlm_ddp.run import probing
+from mlm_ddp.run.card import model_card
 from mlm_ddp.run.hub import check_hub, push
-from mlm_ddp.run.run_folder import RunFolder, Start, agree_on_resume, model_card
+from mlm_ddp.run.run_folder import RunFolder, Start, agree_on_resume
 from mlm_ddp.run.run_log import RunLog, check_trackers, describe_start, utilisation
 
 logger = get_logger(__name__)
@@ -100,33 +101,34 @@ class Checked:
     hub_repo: str | None  # where --push_to_hub uploads final/ (rank 0, which uploads; None elsewhere)
     raw_train: Any
     raw_eval: Any
+    notes: list[str]  # warning lines: inputs taken as given that are likely a mistake (logged once the run starts)
 
 
-def preflight(cfg: Config) -> Checked:
+def check_inputs(cfg: Config) -> tuple[Any, Any]:
+    """What needs no process and writes nothing (submit checks it too); returns (tokenizer, model config)."""
     branch.resolve(cfg)  # --decay_from: the run's end and decay, in steps (branch.py)
     tokenizer = load_tokenizer(cfg.model, needs_word_ids=cfg.data.whole_word_mask)
     model_config = load_model_config(cfg.model, tokenizer)
-    limit = max_positions(model_config, tokenizer)
-    if cfg.data.max_seq_length > limit:
-        raise BadInput(f"--max_seq_length {cfg.data.max_seq_length} is above the model's maximum of "
-                       f"{limit} tokens; use --max_seq_length {limit} or less")
-    if len(tokenizer) > model_config.vocab_size:
-        raise BadInput(f"the tokenizer has {len(tokenizer)} tokens but the model's vocabulary only "
-                       f"{model_config.vocab_size}; pass the model's own tokenizer")
+    check_fits(cfg.data.max_seq_length, model_config, tokenizer)
+    probing.check(cfg)  # its warnings (a test set that is the training set) are said when it runs
+    return tokenizer, model_config
+
+
+def preflight(cfg: Config) -> Checked:
+    tokenizer, model_config = check_inputs(cfg)
     topo = distributed.detect()
     cfg.training.gradient_accumulation_steps = cfg.training.accumulation_for(topo.world_size)  # --global_batch_size
     fsdp_plugin = distributed.fsdp_plugin_from_launcher()
     collectives.check_fsdp_plugin(fsdp_plugin, cuda=bool(topo.cuda_devices))
     chosen = precision.choose_precision(cfg.training.mixed_precision, precision.launcher_precision(),
                                         precision.hardware(topo))
-    probing.check(cfg)
     folder = RunFolder(cfg)
     start = folder.plan(topo.world_size, sharded=fsdp_plugin is not None,
                         stream_bytes=functools.partial(stream_bytes, cfg))
     trackers, hub_repo = check_trackers(cfg.run), check_hub(cfg.run, uploads=topo.rank == 0)
     raw_train, raw_eval = mdata.load_data(cfg.data, cfg.training.seed, tokenizer)  # one source, several, or prepared
     return Checked(tokenizer, model_config, topo, fsdp_plugin, chosen, folder, start, trackers, hub_repo,
-                   raw_train, raw_eval)
+                   raw_train, raw_eval, folder.notes())
 
 
 def stream_bytes(cfg: Config) -> int | None:
@@ -392,6 +394,8 @@ def train(cfg: Config, hooks: Hooks | None = None) -> TrainResult:
         checked = preflight(cfg)
         stop.end_if_received()  # a SIGTERM during preflight: the launcher stops this start
         run = build(cfg, checked, hooks or Hooks())
+        for note in checked.notes:  # warned once the accelerator's logger is up: on the main process only
+            logger.warning("%s", note)
         # runs last: after the heartbeat stopped using the process group's store
         on_exit.push(functools.partial(collectives.tear_down_after, RunEnded, run.accelerator, run.wait))
         on_exit.callback(run.log.close)  # however the run ends, so that an error message starts a line of its own

@@ -209,15 +209,16 @@ def test_a_finished_run_submitted_again_is_a_success(slurm: dict, submitted: Pat
 
 def test_bad_input_found_on_the_cluster_ends_every_task_with_one_line_and_exit_2(
         slurm: dict, tiny_model: Path, corpus: dict, tmp_path: Path) -> None:
-    # only the model knows its maximum length (64): the flags pass the check before submission
+    # only the job's processes (2, one per node) know that 24 sequences do not split into batches of 8 on each: the
+    # flags pass the checks before submission (a --max_seq_length above the model's no longer does)
     out = tmp_path / "run"
     proc = submit(slurm, "--nodes", "2", "--partition", "test", "--wait",
-                  *job_args(tiny_model, corpus, out), "--max_seq_length", "128")
+                  *job_args(tiny_model, corpus, out), "--global_batch_size", "24")
     assert proc.returncode == 2, proc.stdout + proc.stderr
     job = re.search(r"submitted job (\d+)", proc.stdout).group(1)
     [line] = [line for line in proc.stderr.splitlines() if line.startswith("mlm_ddp.submit:")]
     assert line.startswith(f"mlm_ddp.submit: job {job} stopped on bad input, on every task, not requeued: "
-                           "--max_seq_length 128 is above the model's maximum"), proc.stderr
+                           "--global_batch_size 24 is not a multiple of"), proc.stderr
     # --wait answers from the tasks' result files; Slurm records the job's end a moment after they exit
     wait_done(slurm, job, 60)
     fields = job_fields(slurm, job)
@@ -225,4 +226,4 @@ def test_bad_input_found_on_the_cluster_ends_every_task_with_one_line_and_exit_2
     logs = task_logs(out / "submitit", job)
     assert len(logs) == 2
     for log in logs:
-        assert log.count("mlm_ddp.submit: error: --max_seq_length 128") == 1 and "Traceback" not in log
+        assert log.count("mlm_ddp.submit: error: --global_batch_size 24") == 1 and "Traceback" not in log

@@ -86,14 +86,22 @@ def test_final_model_opens_in_fill_mask_pipeline(launched_run) -> None:
     assert len(predictions) == 5 and all("token_str" in p for p in predictions)
 
 
-def test_accumulation_equals_a_bigger_batch(tiny_model: Path, corpus: dict, tmp_path: Path) -> None:
-    """Batch 8 x accumulation 2 trains exactly like batch 16: the loss is normalised per masked token."""
+def test_accumulation_equals_a_bigger_batch(tiny_model: Path, corpus: dict, tmp_path: Path,
+                                            caplog: pytest.LogCaptureFixture) -> None:
+    """Batch 8 x accumulation 2 trains exactly like batch 16: the loss is normalised per masked token. The second
+    run's folder holds a file of the user's own: one warning line names it, and it is kept (issue 57)."""
     big = tmp_path / "big"
     train(parse_args(tiny_args(tiny_model, corpus, big, "--max_train_steps", "6", *NO_DROPOUT,
                                "--per_device_train_batch_size", "16")))
     acc = tmp_path / "acc"
+    acc.mkdir()
+    (acc / "notes.txt").write_text("a user's own file")
+    caplog.clear()
     train(parse_args(tiny_args(tiny_model, corpus, acc, "--max_train_steps", "6", *NO_DROPOUT,
                                "--gradient_accumulation_steps", "2")))
+    said = [(r.levelname, r.getMessage()) for r in caplog.records if "holds files of no run" in r.getMessage()]
+    assert len(said) == 1 and said[0][0] == "WARNING" and "(notes.txt)" in said[0][1], said
+    assert (acc / "notes.txt").read_text() == "a user's own file"
     a, b = train_losses(big), train_losses(acc)
     assert sorted(a) == sorted(b) == list(range(1, 7))
     for step in a:

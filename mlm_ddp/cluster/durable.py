@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import socket
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -44,3 +45,21 @@ def write_atomic(path: Path, text: str | bytes, shared: bool = False) -> None:
         os.fsync(handle.fileno())
     os.replace(tmp, path)
     fsync_dir(path.parent)
+
+
+def unwritable(folder: Path) -> str | None:
+    """Why `folder` (made later, with its parents) could not be written, or None. A file is created and removed in
+    its nearest existing folder, so nothing stays behind: permission bits do not tell it for root, who writes past
+    them, while a read-only mount, /sys or /proc refuse it, and a path through a regular file cannot be made."""
+    at = Path(folder).absolute()
+    while not at.exists() and at != at.parent:
+        at = at.parent
+    if not at.is_dir():
+        return f"{at} is a file, not a folder"
+    try:
+        handle, name = tempfile.mkstemp(dir=at, prefix=".mlm_ddp-write-test-")
+        os.close(handle)
+        os.unlink(name)
+    except OSError as err:
+        return f"{at} cannot be written ({err.strerror or err})"
+    return None

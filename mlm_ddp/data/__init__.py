@@ -22,7 +22,7 @@ nor cluster/'s heartbeat or watchdog: a feed's collectives are named through the
 
 # in pipeline order: load, pack, shard, feed, one rank's assembly
 # isort: off
-from mlm_ddp.data.text import AnyDataset, embedded_corpus, load_text
+from mlm_ddp.data.text import AnyDataset, check_files, data_notes, embedded_corpus, load_text
 from mlm_ddp.data.prepared import load_prepared
 from mlm_ddp.data.pack import tokenize_and_pack
 from mlm_ddp.data.mixture import load_data, source_changes, sources_read_line, uncounted_note
@@ -35,6 +35,8 @@ from mlm_ddp.data.rank import RankData, rank_data, to_device
 # else, tests included, imports from the module that owns the name.
 __all__ = [
     "AnyDataset",
+    "check_files",
+    "data_notes",
     "embedded_corpus",
     "load_text",
     "load_prepared",

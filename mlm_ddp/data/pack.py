@@ -15,7 +15,7 @@ import pyarrow.compute as pc
 from datasets import Dataset, IterableDataset
 
 from mlm_ddp.config import DataConfig
-from mlm_ddp.data.text import AnyDataset, first_columns
+from mlm_ddp.data.text import AnyDataset, first_row
 
 TOKENIZE_BATCH = 1000  # texts packed together: the remainder of each such batch is one shorter block
 
@@ -74,7 +74,7 @@ class PackStats:
 
 def tokenize_dataset(raw: AnyDataset, tokenizer: Any, cfg: DataConfig) -> AnyDataset:
     """Tokenize and pack lazily (streams) or once, cached by `datasets` (map-style)."""
-    columns = raw.column_names if raw.column_names is not None else first_columns(raw, "stream")
+    columns = raw.column_names if raw.column_names is not None else list(first_row(raw, "stream"))
     kwargs: dict[str, Any] = dict(
         batched=True,
         batch_size=TOKENIZE_BATCH,

@@ -29,7 +29,7 @@ from datasets import load_dataset, load_dataset_builder
 
 from mlm_ddp.config import DataConfig
 from mlm_ddp.data.pack import TOKENIZE_BATCH
-from mlm_ddp.data.text import SUFFIX_BUILDERS, check_columns
+from mlm_ddp.data.text import SUFFIX_BUILDERS, UTF8_CHECKED, check_columns, first_undecodable, utf8_refusal
 from mlm_ddp.errors import BadInput, say
 
 PROG = "mlm_ddp.prepare"
@@ -75,6 +75,8 @@ def expand(spec: str, flag: str) -> list[Path]:
             raise BadInput(f"{flag}: {file} has an unknown extension {file.suffix or '(none)'!r}; use one of "
                            f"{', '.join(sorted(SUFFIX_BUILDERS))}")
         check_file(file, f"{flag} {spec}")
+        if file.suffix.lower() != ".parquet" and (bad := first_undecodable(file, limit=UTF8_CHECKED)) is not None:
+            raise utf8_refusal(flag, str(file), bad)  # found before the plan is written
     return found
 
 
@@ -157,6 +159,9 @@ def reader(builder: str, options: dict[str, Any], column: str) -> Reader:
             for number, batch in enumerate(stream.iter(batch_size=TOKENIZE_BATCH)):
                 check_columns(list(batch), column, path)
                 texts = batch[column]
+                if (odd := next((t for t in texts if t is not None and not isinstance(t, str)), None)) is not None:
+                    raise BadInput(f"{path}: column {column!r} holds {type(odd).__name__} values, not text; pass "
+                                   "--text_column with a column of text")
                 for row, text in enumerate(texts):
                     if isinstance(text, str) and len(text) > LONG_TEXT:
                         at = number * TOKENIZE_BATCH + row + 1

@@ -33,6 +33,10 @@ def embedded_corpus() -> list[str]:
 
 def _builder_for(path_str: str, flag: str) -> str:
     path = Path(path_str)
+    if path.is_dir():  # datasets would read its files as one corpus, split by its own patterns: a mixture's sources
+        hint = (f", or prepare the folder (python -m mlm_ddp.prepare --train_file {path}) and train with "
+                "--prepared_data" if flag == "--train_file" else "")
+        raise BadInput(f"{flag} {path}: is a folder, not a file; give one of its files{hint}")
     suffix = path.suffix.lower()
     if suffix not in SUFFIX_BUILDERS:
         raise BadInput(
@@ -54,13 +58,35 @@ def check_columns(columns: list[str] | None, text_column: str, source: str, flag
         )
 
 
-def first_columns(ds: IterableDataset, source: str) -> list[str]:
-    """A stream's columns, read from its first example (which also proves it is not empty)."""
+def first_row(ds: IterableDataset, source: str) -> dict[str, Any]:
+    """A stream's first example: its columns and their values (it also proves the stream is not empty)."""
     try:
-        first = next(iter(ds))
+        return next(iter(ds))
     except StopIteration:
         raise BadInput(f"{source}: holds no texts") from None
-    return list(first)
+
+
+STRINGS = ("string", "large_string")
+
+
+def check_text_column(ds: AnyDataset, column: str, source: str, first: dict[str, Any] | None = None) -> None:
+    """The text column holds text: numbers or lists would tokenize to nothing and "pack into zero blocks".
+    A stream without known features is judged by its `first` row."""
+    features = ds.features if ds.features is not None else None
+    if features is not None and column in features:
+        feature = features[column]
+        kind = getattr(feature, "dtype", type(feature).__name__)
+        if kind in STRINGS or kind == "null":  # null: every value missing, which "holds no texts" names
+            return
+        texts = [name for name, f in features.items() if getattr(f, "dtype", None) in STRINGS]
+    else:
+        value = (first or {}).get(column)
+        if value is None or isinstance(value, str):
+            return
+        kind = type(value).__name__
+        texts = [name for name, v in (first or {}).items() if isinstance(v, str)]
+    raise BadInput(f"{source}: column {column!r} holds {kind} values, not text; pass --text_column with a column "
+                   f"of text ({', '.join(texts) if texts else 'it has none'})")
 
 
 def load_text(cfg: DataConfig, seed: int) -> tuple[AnyDataset, AnyDataset | dict[str, AnyDataset] | None]:
@@ -107,11 +133,14 @@ def load_text(cfg: DataConfig, seed: int) -> tuple[AnyDataset, AnyDataset | dict
                 if split in splits]
     for where, ds in ((source, train), *held_out):
         if isinstance(ds, IterableDataset):
-            check_columns(first_columns(ds, where), cfg.text_column, where)
+            first = first_row(ds, where)
+            check_columns(list(first), cfg.text_column, where)
+            check_text_column(ds, cfg.text_column, where, first)
         else:
             check_columns(ds.column_names, cfg.text_column, where)
             if len(ds) == 0:
                 raise BadInput(f"{where}: holds no texts")
+            check_text_column(ds, cfg.text_column, where)
     evaluation = splits.get("validation")
     if len(held_out) > 1:  # several sources, each evaluated apart (evaluation.py), by name
         evaluation = dict(zip(source_names(files), (ds for _, ds in held_out), strict=True))
@@ -147,6 +176,7 @@ def load_held_out(cfg: DataConfig) -> AnyDataset | dict[str, AnyDataset]:
         check_columns(ds.column_names, cfg.text_column, path)
         if len(ds) == 0:
             raise BadInput(f"--validation_file {path}: holds no texts")
+        check_text_column(ds, cfg.text_column, path)
         loaded[name] = ds
     return loaded if len(loaded) > 1 else next(iter(loaded.values()))
 
@@ -163,8 +193,9 @@ def source_names(paths: list[str]) -> list[str]:
     return unique_names(paths, "--validation_file")
 
 
-def first_undecodable(path: str | Path, chunk: int = 1 << 20) -> tuple[int, int] | None:
-    """(offset, byte) of the first byte of `path` that is not UTF-8 (None: all of it is)."""
+def first_undecodable(path: str | Path, chunk: int = 1 << 20, limit: int | None = None) -> tuple[int, int] | None:
+    """(offset, byte) of the first byte of `path` that is not UTF-8 (None: all of it is, or its first `limit`
+    bytes are)."""
     import codecs
 
     decoder, offset = codecs.getincrementaldecoder("utf-8")(), 0
@@ -175,6 +206,8 @@ def first_undecodable(path: str | Path, chunk: int = 1 << 20) -> tuple[int, int]
             except UnicodeDecodeError as err:
                 return offset + err.start, block[err.start]
             offset += len(block)
+            if limit is not None and offset >= limit:
+                return None
     try:
         decoder.decode(b"", final=True)
     except UnicodeDecodeError:
@@ -193,10 +226,29 @@ def not_utf8(err: BaseException, data_files: dict | None, flag: str) -> BadInput
     for split, path in (data_files or {}).items():
         found = first_undecodable(path) if Path(path).is_file() else None
         if found is not None:
-            given = "--train_file" if split == "train" else "--validation_file"
-            return BadInput(f"{given} {path}: not UTF-8 text (byte 0x{found[1]:02x} at offset {found[0]}); save it as "
-                            f"UTF-8, e.g. iconv -f latin1 -t utf-8 {path} > {Path(path).stem}.utf8{Path(path).suffix}")
+            return utf8_refusal("--train_file" if split == "train" else "--validation_file", path, found)
     return BadInput(f"{flag}: not UTF-8 text ({cause}); save it as UTF-8")
+
+
+def utf8_refusal(flag: str, path: str, found: tuple[int, int]) -> BadInput:
+    return BadInput(f"{flag} {path}: not UTF-8 text (byte 0x{found[1]:02x} at offset {found[0]}); save it as "
+                    f"UTF-8, e.g. iconv -f latin1 -t utf-8 {path} > {Path(path).stem}.utf8{Path(path).suffix}")
+
+
+UTF8_CHECKED = 64 << 20  # bytes of each file `check_files` reads: a latin-1 file is found in its first lines
+
+
+def check_files(cfg: DataConfig) -> None:
+    """Each --train_file and --validation_file as loading would refuse it: a folder, a missing or empty file, an
+    unknown suffix, text that is not UTF-8 (its first UTF8_CHECKED bytes). Reads no dataset: submit runs it on the
+    login node before a job exists, training before its processes start."""
+    given = [*(("--train_file", f) for f in cfg.train_file or []),
+             *(("--validation_file", f) for f in cfg.validation_file or [])]
+    for flag, path in given:
+        if cfg.mixed and flag == "--train_file" and Path(path).is_dir():
+            continue  # a mixture's source may be a folder: prepared, or a dataset's (mixture.source_config)
+        if _builder_for(path, flag) != "parquet" and (found := first_undecodable(path, limit=UTF8_CHECKED)):
+            raise utf8_refusal(flag, path, found)
 
 
 def _load(path: str, name: str | None, data_files: dict | None, streaming: bool, flag: str) -> dict:
@@ -214,3 +266,20 @@ def _load(path: str, name: str | None, data_files: dict | None, streaming: bool,
     if not isinstance(loaded, (DatasetDict, IterableDatasetDict)):
         raise BadInput(f"{flag}: expected named splits, got {type(loaded).__name__}")
     return dict(loaded)
+
+
+def data_notes(cfg: DataConfig) -> list[str]:
+    """Data flags a run accepts that are likely a mistake: one warning line each (the run goes on)."""
+    notes = []
+    if cfg.train_weights is not None and len(cfg.train_file or []) == 1:
+        notes.append(f"--train_weights {cfg.train_weights[0]:g} with one --train_file: a weight is a share among "
+                     "several sources, so this one source gets every token whatever its weight; drop --train_weights "
+                     "or give more --train_file sources")
+    trained = {Path(f).resolve() for f in cfg.train_file or []}
+    for path in cfg.validation_file or []:
+        if Path(path).resolve() in trained:
+            notes.append(f"--validation_file {path} is also a --train_file: the held-out loss is then measured on "
+                         "text the model trains on (memorised, not generalised); give another file, or leave "
+                         "--validation_file out to hold out --validation_split_percentage of the text")
+    return notes
+

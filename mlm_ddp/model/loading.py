@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import difflib
 import inspect
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -60,9 +61,20 @@ def _quiet_transformers() -> Iterator[None]:
         transformers.logging.set_verbosity(level)
 
 
+def check_local(name: str, flag: str) -> None:
+    """Refuse a name written as a local path (/..., ./..., ~..., or more than a Hub id's one '/') that does not
+    exist: transformers would take it for a Hub id and answer "Repo id must be in the form...", naming neither
+    the flag nor the missing folder."""
+    as_path = name.startswith(("/", "./", "../", "~")) or name.count("/") > 1 or (os.sep != "/" and os.sep in name)
+    if as_path and not os.path.exists(os.path.expanduser(name)):
+        raise BadInput(f"{flag} {name}: no such folder; give an existing local folder, or a Hub id (name or "
+                       "org/name)")
+
+
 def load_tokenizer(cfg: ModelConfig, needs_word_ids: bool = False) -> Any:
     """The tokenizer (`needs_word_ids`: whole-word masking, which reads a fast tokenizer's word ids)."""
     name = cfg.tokenizer_name or resolve_model_path(cfg)
+    check_local(name, "--tokenizer_name" if cfg.tokenizer_name else "--model_name_or_path")
     try:
         tokenizer = AutoTokenizer.from_pretrained(name, use_fast=not cfg.use_slow_tokenizer,
                                                   trust_remote_code=cfg.trust_remote_code)
@@ -90,6 +102,8 @@ def load_model_config(cfg: ModelConfig, tokenizer: Any) -> Any:
         source, flag = None, "--model_type"
     else:
         source, flag = resolve_model_path(cfg), "--model_name_or_path"
+    if source is not None:
+        check_local(source, flag)
     try:
         if source is None:
             config = CONFIG_MAPPING[cfg.model_type]()
@@ -113,9 +127,23 @@ def load_model_config(cfg: ModelConfig, tokenizer: Any) -> Any:
 
 
 def max_positions(model_config: Any, tokenizer: Any) -> int:
-    """The longest sequence both the model and the tokenizer accept."""
+    """The longest sequence both the model and the tokenizer accept (`model_config` None: the tokenizer's;
+    a very large number where neither names a limit)."""
     limits = [getattr(model_config, "max_position_embeddings", None), tokenizer.model_max_length]
-    return min(int(x) for x in limits if x is not None and x < 10**8)
+    return min((int(x) for x in limits if x is not None and x < 10**8), default=10**8)
+
+
+def check_fits(max_seq_length: int, model_config: Any, tokenizer: Any) -> None:
+    """--max_seq_length within `max_positions`, the tokenizer's ids within the model's vocabulary (`model_config`
+    None: the tokenizer's limit only). Training and prepare refuse alike: prepare would write blocks no run of this
+    model can read."""
+    limit = max_positions(model_config, tokenizer)
+    if max_seq_length > limit:
+        raise BadInput(f"--max_seq_length {max_seq_length} is above the model's maximum of {limit} tokens; use "
+                       f"--max_seq_length {limit} or less")
+    if model_config is not None and len(tokenizer) > model_config.vocab_size:
+        raise BadInput(f"the tokenizer has {len(tokenizer)} tokens but the model's vocabulary only "
+                       f"{model_config.vocab_size}; pass the model's own tokenizer")
 
 
 def masked_lm_class(model_config: Any, path: str) -> type[PreTrainedModel]:

