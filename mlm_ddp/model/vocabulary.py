@@ -109,9 +109,11 @@ def with_whole_words(state: dict, family: str, chosen: list[NewToken]) -> Tokeni
     for new in chosen:
         if family == "WordPiece":
             model["vocab"][new.token] = new.id
-        else:  # Unigram: the vocabulary is a list, ids by position
-            assert new.id == len(model["vocab"]), (new.id, len(model["vocab"]))
+        elif new.id == len(model["vocab"]):  # Unigram: the vocabulary is a list, ids by position
             model["vocab"].append([new.token, new.score])
+        else:
+            raise BadInput(f"--extend: the tokenizer has ids past its Unigram vocabulary of {len(model['vocab'])} "
+                           f"pieces (tokens added on top of it, up to id {new.id - 1}); extending it is not supported")
     return Tokenizer.from_str(json.dumps(state))
 
 
@@ -165,11 +167,15 @@ def extend_bpe(backend: Tokenizer, counts: Counter[str], n: int, first_id: int, 
     pairs: Counter[tuple[str, str]] = Counter()
     where: dict[tuple[str, str], set[int]] = defaultdict(set)
 
+    touched: set[tuple[str, str]] = set()  # pairs whose count fell in this round: dropped at 0
+
     def account(i: int, sign: int) -> None:
         for pair in zip(words[i], words[i][1:], strict=False):
             pairs[pair] += sign * freq[i]
             if sign > 0:
                 where[pair].add(i)
+            else:
+                touched.add(pair)
 
     for i in range(len(words)):
         account(i, 1)
@@ -199,8 +205,10 @@ def extend_bpe(backend: Tokenizer, counts: Counter[str], n: int, first_id: int, 
                     j += 1
             words[i] = out
             account(i, 1)
-        for pair in [p for p, c in pairs.items() if c <= 0]:
-            del pairs[pair]
+        for pair in touched:
+            if pairs.get(pair, 1) <= 0:
+                del pairs[pair]
+        touched.clear()
     if len(tokens) < n:
         return Extension("BPE", first_id, [], backend, len(tokens))
     for new in tokens:
