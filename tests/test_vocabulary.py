@@ -171,3 +171,23 @@ def test_a_sentence_transformers_source_keeps_its_pipeline_and_gets_no_head(tiny
         assert json.loads((tmp_path / "out" / name).read_text()) == json.loads((source / name).read_text()), name
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     assert config["architectures"] == ["BertModel"] and config["vocab_size"] == 610  # an encoder, grown
+
+
+def test_a_wordpiece_word_that_would_lengthen_a_word_of_the_text_is_passed_over() -> None:
+    """Greedy longest match: with 'runn' added, 'running' (run ##ning) becomes runn ##i ##n ##g. The most
+    saving word 'runn' is dropped for the next one, 'ab'."""
+    from collections import Counter
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from mlm_ddp.model import vocabulary
+
+    pieces = ["[UNK]", "run", "##n", "##ning", "##i", "##g", "a", "##b"]
+    backend = Tokenizer(models.WordPiece({p: i for i, p in enumerate(pieces)}, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    counts = Counter(vocabulary.word_counts(backend, ["runn runn runn runn runn running ab ab ab"]))
+    assert [p.value for p in vocabulary.split(backend, "running")] == ["run", "##ning"]
+    ext = vocabulary.extend(backend, counts, counts, 1, len(pieces), 2, 0)
+    assert [t.token for t in ext.tokens] == ["ab"] and ext.dropped == ["runn"]
+    assert [p.value for p in vocabulary.split(ext.backend, "running")] == ["run", "##ning"]
+    assert vocabulary.extend(backend, counts, counts, 2, len(pieces), 2, 0).tokens == []  # only one fits
