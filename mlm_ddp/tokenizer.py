@@ -1,5 +1,8 @@
 """`python -m mlm_ddp.tokenizer`: a BERT WordPiece tokenizer trained on the text training reads.
 
+`--extend MODEL --train_file FILE... --num_new_tokens N --output_dir DIR` instead grows a model's vocabulary
+by the domain's words (model/vocabulary.py): its tokenizer, its embeddings, report.json and report.md.
+
 The texts come from `mlm_ddp.data.load_text`, so every source `mlm_ddp.train` reads works the same
 way here: txt/json/jsonl/csv/parquet files, a `datasets` name or folder, `--streaming`, and the
 embedded default corpus. Only the train split is read, and all of it: the tokenizer's config sets
@@ -23,22 +26,29 @@ alphabet's size before the long part starts.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import shutil
 import sys
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+from accelerate import PartialState
 from datasets import Dataset
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
-from transformers import BertTokenizerFast, HfArgumentParser
+from transformers import AutoTokenizer, BertTokenizerFast, HfArgumentParser
 
 from mlm_ddp.cluster.durable import unwritable
-from mlm_ddp.config import DataConfig, _doc, parse_exactly
+from mlm_ddp.config import DataConfig, ModelConfig, _doc, parse_exactly
+from mlm_ddp.config.tree import given
 from mlm_ddp.data import AnyDataset, load_text
 from mlm_ddp.errors import BadInput
+from mlm_ddp.model import vocabulary
+from mlm_ddp.run import st_files
 
 PROG = "mlm_ddp.tokenizer"
 PAD, UNK, CLS, SEP, MASK = "[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"
@@ -49,6 +59,8 @@ TEXTS_PER_BATCH = 1000
 # these already has a tokenizer, and replacing it removes them all so no stale file is loaded instead
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json",
                    "added_tokens.json")
+# a slow tokenizer's vocabulary files: an extended folder holds tokenizer.json alone, which they would contradict
+SLOW_FILES = ("vocab.txt", "vocab.json", "merges.txt", "spiece.model", "sentencepiece.bpe.model")
 
 logger = logging.getLogger(PROG)  # not "__main__" under python -m
 
@@ -262,14 +274,143 @@ def train_tokenizer(cfg: TokenizerConfig) -> TokenizerResult:
     return TokenizerResult(vocab_size=tokenizer.get_vocab_size(), texts=texts.texts, output_dir=output)
 
 
+@dataclass
+class ExtendConfig:
+    """`--extend MODEL`: which model's vocabulary grows, by how many tokens, from which text, and where to."""
+
+    extend: str = _doc("The model (a folder, or a Hub name in the local cache) whose tokenizer and embeddings "
+                       "grow: WordPiece (BERT), BPE (RoBERTa) or Unigram (SentencePiece) fast tokenizers.")
+    output_dir: str = _doc("Folder for the extended model, its tokenizer and report.json / report.md; train "
+                           "from it with mlm_ddp.train --model_name_or_path DIR.")
+    num_new_tokens: int = _doc("Tokens to add, chosen from the text by the tokens they save.", default=1000)
+    train_file: list[str] | None = _doc(
+        "The domain's text: .txt (one text per line), .json/.jsonl, .csv or .parquet files.", default=None)
+    text_column: str = _doc("Column holding the text (a .txt file's lines are 'text').", default="text")
+    validation_split_percentage: float = _doc(
+        "Share of the texts (every n-th one) held out: not used to choose tokens, measured in the report.",
+        default=5.0)
+    min_frequency: int = _doc("A word (BPE: a pair of pieces) becomes a token only if seen this often.",
+                              default=2)
+    overwrite_output_dir: bool = _doc("Replace --output_dir if it is not empty.", default=False)
+
+    def __post_init__(self) -> None:
+        if self.num_new_tokens <= 0:
+            raise BadInput(f"--num_new_tokens must be at least 1, got {self.num_new_tokens}")
+        if not self.train_file:
+            raise BadInput("--extend needs the domain's text: give --train_file FILE [FILE ...]")
+        if not 0 <= self.validation_split_percentage < 100:
+            raise BadInput(f"--validation_split_percentage must be in [0, 100), got {self.validation_split_percentage}")
+        if self.min_frequency < 1:
+            raise BadInput(f"--min_frequency must be at least 1, got {self.min_frequency}")
+        output = Path(self.output_dir)
+        if output.is_file() or (output.is_dir() and any(output.iterdir()) and not self.overwrite_output_dir):
+            raise BadInput(f"--output_dir {output} is in use (not an empty folder); pass --overwrite_output_dir "
+                           "to replace it, or choose another folder")
+
+
+def extension_texts(cfg: ExtendConfig) -> tuple[list[str], list[str]]:
+    """(training texts, held-out texts) of --train_file: every n-th non-empty text is held out."""
+    texts: list[str] = []
+    for file in cfg.train_file or []:
+        data = DataConfig(train_file=[file], text_column=cfg.text_column, validation_split_percentage=0.0)
+        batches = TextBatches(load_text(data, seed=0)[0], cfg.text_column)
+        texts += [text for batch in batches for text in batch]
+    stride = round(100 / cfg.validation_split_percentage) if cfg.validation_split_percentage else 0
+    held = [i for i in range(len(texts)) if stride and i % stride == stride - 1]
+    return [t for i, t in enumerate(texts) if not stride or i % stride != stride - 1], [texts[i] for i in held]
+
+
+def extension_model(path: str) -> Any:
+    """The checkpoint in its own class (a BertModel stays one: a sentence-transformers encoder is not given
+    a fresh MLM head here, which training would take for a trained one)."""
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(path)
+    name = (config.architectures or ["AutoModelForMaskedLM"])[0]
+    return getattr(transformers, name, transformers.AutoModelForMaskedLM).from_pretrained(path)
+
+
+def extend_vocabulary(cfg: ExtendConfig) -> ExtensionResult:
+    """Grow the model's tokenizer and embeddings by --num_new_tokens (model/vocabulary.py); write DIR whole."""
+    try:
+        old = AutoTokenizer.from_pretrained(cfg.extend)
+    except (OSError, ValueError) as err:
+        raise BadInput(f"--extend {cfg.extend}: no tokenizer loads from it ({str(err).splitlines()[0]})") from None
+    if not getattr(old, "is_fast", False) or getattr(old, "backend_tokenizer", None) is None:
+        raise BadInput(f"--extend {cfg.extend}: its tokenizer ({type(old).__name__}) is not a fast one; extending "
+                       "needs a tokenizer.json (convert it: AutoTokenizer.from_pretrained(..., from_slow=True))")
+    backend = old.backend_tokenizer
+    vocabulary.family_of(backend)
+    train, held_out = extension_texts(cfg)
+    counts = vocabulary.word_counts(backend, train)
+    check = set(counts) | set(vocabulary.word_counts(backend, held_out))
+    logger.info("%d training texts (%d distinct words), %d held out; choosing %d tokens", len(train), len(counts),
+                len(held_out), cfg.num_new_tokens)
+    ext = vocabulary.extend(backend, counts, check, cfg.num_new_tokens, len(old), cfg.min_frequency,
+                            old.unk_token_id)
+    if len(ext.tokens) < cfg.num_new_tokens:
+        raise BadInput(f"--train_file: the text yields {ext.found} useful tokens (words of several pieces, or "
+                       f"pairs of pieces, seen at least --min_frequency {cfg.min_frequency} times), fewer than "
+                       f"--num_new_tokens {cfg.num_new_tokens}; ask for at most {ext.found}, or give more text")
+    try:
+        model = extension_model(cfg.extend)
+    except (OSError, ValueError) as err:
+        raise BadInput(f"--extend {cfg.extend}: no model loads from it ({str(err).splitlines()[0]})") from None
+    vocabulary.grow_embeddings(model, ext.tokens, len(old) + len(ext.tokens))
+    output = Path(cfg.output_dir)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=output.parent, prefix=f".{output.name}-") as staging_dir:
+        staging = Path(staging_dir)
+        old.save_pretrained(staging)
+        for stale in SLOW_FILES:  # the slow tokenizer's files would load the old vocabulary
+            (staging / stale).unlink(missing_ok=True)
+        (staging / "tokenizer.json").write_text(ext.backend.to_str(), encoding="utf8")
+        new = AutoTokenizer.from_pretrained(staging)
+        assert len(new) == len(old) + len(ext.tokens), (len(new), len(old), len(ext.tokens))
+        new.save_pretrained(staging)
+        model.save_pretrained(staging)
+        PartialState(cpu=True)  # st_files logs through accelerate's logger, which needs a state
+        st_files.copy_into(ModelConfig(model_name_or_path=cfg.extend), staging)
+        measured = {"training": vocabulary.measure(old, new, train), "held-out": vocabulary.measure(old, new, held_out)}
+        report = vocabulary.report_dict(ext, measured, cfg.extend)
+        (staging / "report.json").write_text(json.dumps(report, indent=1, ensure_ascii=False), encoding="utf8")
+        lines = vocabulary.report_lines(report)
+        (staging / "report.md").write_text("\n".join(lines) + "\n", encoding="utf8")
+        if output.exists():
+            shutil.rmtree(output)  # in use and --overwrite_output_dir (checked before anything was read)
+        os.replace(staging, output)
+        staging.mkdir()  # for the context manager to remove
+    shown = 8 + len(measured) + 3 + 20  # the title, the text before and after, the first 20 new tokens
+    logger.info("report (%s; the first 20 new tokens):\n%s", output / "report.md", "\n".join(lines[:shown]))
+    return ExtensionResult(len(ext.tokens), len(new), output, measured)
+
+
+@dataclass(frozen=True)
+class ExtensionResult:
+    added: int
+    vocab_size: int
+    output_dir: Path
+    measured: dict[str, dict[str, float]]
+
+    def summary(self) -> str:
+        saved = ", ".join(f"{name} text {m['saving']:.1%}" for name, m in self.measured.items() if m.get("texts"))
+        return (f"{PROG}: {self.added} tokens added ({self.vocab_size} in all), {saved} fewer tokens; written to "
+                f"{self.output_dir}; train from it: accelerate launch -m mlm_ddp.train --model_name_or_path "
+                f"{self.output_dir}")
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S",
                         level=logging.INFO)
-    parser = HfArgumentParser(TokenizerConfig, prog=PROG, description=__doc__.split("\n")[0],
-                              allow_abbrev=False)
+    argv = sys.argv[1:] if argv is None else argv
+    extending = given(argv, "extend")  # --extend MODEL: grow a model's vocabulary (model/vocabulary.py)
+    parser = HfArgumentParser(ExtendConfig if extending else TokenizerConfig, prog=PROG,
+                              description=__doc__.split("\n")[0], allow_abbrev=False,
+                              epilog=None if extending else "--extend MODEL grows a model's vocabulary by the "
+                              "domain's words instead (its flags: --extend MODEL --help; docs/vocabulary.md)")
     try:
         (cfg,) = parse_exactly(parser, argv)
-        result = train_tokenizer(cfg)
+        result = extend_vocabulary(cfg) if extending else train_tokenizer(cfg)
     except BadInput as err:
         # one write: the line arrives whole even on an unbuffered stderr
         sys.stderr.write(err.line(PROG) + "\n")

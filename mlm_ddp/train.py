@@ -39,7 +39,7 @@ from mlm_ddp.data.rank import train_feed
 from mlm_ddp.errors import EXIT_FAILED, Preempted, RunEnded, say
 from mlm_ddp.loop import branch
 from mlm_ddp.loop import checkpoint as ckpt
-from mlm_ddp.loop.evaluation import Evaluator, masked_note, sources_line
+from mlm_ddp.loop.evaluation import Evaluator, characters_note, masked_note, sources_line
 from mlm_ddp.loop.optim import prepare_for_training
 from mlm_ddp.loop.spikes import LossSpikes
 from mlm_ddp.loop.step import SkippedSteps, StepResult, agree_on_step, settle_step, train_step
@@ -413,10 +413,10 @@ def summary_line(result: TrainResult) -> str:
     if before and after:
         line += (f"; eval{masked_note(before, after)} loss {before['loss']:.4f} -> {after['loss']:.4f}, "
                  f"perplexity {before['perplexity']:.2f} -> {after['perplexity']:.2f}, "
-                 f"accuracy {before['accuracy']:.3f} -> {after['accuracy']:.3f}")
+                 f"accuracy {before['accuracy']:.3f} -> {after['accuracy']:.3f}{characters_note(before, after)}")
     elif after:  # no evaluation before training on record (e.g. --validation_split_percentage changed)
         line += (f"; eval{masked_note(after)} loss {after['loss']:.4f}, perplexity {after['perplexity']:.2f}, "
-                 f"accuracy {after['accuracy']:.3f}")
+                 f"accuracy {after['accuracy']:.3f}{characters_note(after)}")
     return (line + sources_line(before, after) + mdata.sources_read_line(result.sources) + probing.line(result.probe)
             + f"; model in {result.final_dir}")
 

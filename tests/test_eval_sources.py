@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import shlex
 import shutil
 from pathlib import Path
@@ -26,7 +27,7 @@ from tests.test_fsdp import FSDP_ENV, launch
 # dropout off and a constant rate, as test_fsdp's COMMON (which `launch` adds): one process trains the same steps
 STEPS = ["--max_train_steps", "4", "--eval_steps", "2", "--checkpointing_steps", "2", *NO_DROPOUT,
          "--lr_scheduler_type", "constant"]
-FIGURES = {"loss", "perplexity", "accuracy", "masked_tokens"}
+FIGURES = {"loss", "perplexity", "accuracy", "masked_tokens", "bits_per_char", "characters"}
 # The mix's sums are the sources' sums added in float64 (53-bit mantissa) after the all-reduce; recomputing
 # them from the recorded per-source means and counts costs a few float64 roundings more (2^-53 each, 1.1e-16):
 # 1e-12 is that with three orders of margin, and far below fp32's 6e-8, where a mix taken from other sums
@@ -111,6 +112,13 @@ def test_every_evaluation_reports_each_source_and_the_mix_is_their_token_weighte
         assert record["eval_accuracy"] == pytest.approx(mix_accuracy, rel=FLOAT64_SUMS, abs=FLOAT64_SUMS)
         assert all(s["perplexity"] == pytest.approx(math.exp(s["loss"]), rel=FLOAT64_SUMS) for s in sources.values())
         assert min(s["loss"] for s in sources.values()) < record["eval_loss"] < max(s["loss"] for s in sources.values())
+        # bits per character (issue 58): the sources' characters add up, their bits too
+        characters = sum(s["characters"] for s in sources.values())
+        mix_bits = sum(s["bits_per_char"] * s["characters"] for s in sources.values()) / characters
+        assert record["eval_characters"] == characters > masked
+        assert record["eval_bits_per_char"] == pytest.approx(mix_bits, rel=FLOAT64_SUMS)
+        assert record["eval_bits_per_char"] == pytest.approx(
+            record["eval_loss"] * masked / math.log(2) / characters, rel=FLOAT64_SUMS)
 
 
 def test_a_source_scores_as_it_does_alone_and_evaluating_more_changes_no_step(runs: dict) -> None:
@@ -121,8 +129,8 @@ def test_a_source_scores_as_it_does_alone_and_evaluating_more_changes_no_step(ru
     assert [r["step"] for r in alone] == [r["step"] for r in pair]
     for one, two in zip(alone, pair, strict=True):
         source = two["eval_sources"]["valid"]
-        assert (one["eval_loss"], one["perplexity"], one["eval_accuracy"]) == (
-            source["loss"], source["perplexity"], source["accuracy"])
+        assert (one["eval_loss"], one["perplexity"], one["eval_accuracy"], one["eval_bits_per_char"]) == (
+            source["loss"], source["perplexity"], source["accuracy"], source["bits_per_char"])
     assert train_losses(runs["one"]) == train_losses(runs["two"])
 
 
@@ -133,6 +141,8 @@ def test_summary_closing_line_card_and_report_show_each_source(runs: dict, tiny_
     summary = json.loads((out / "summary.json").read_text())
     assert summary["eval_before"]["sources"] == records[0]["eval_sources"]
     assert summary["eval_after"]["sources"] == records[-1]["eval_sources"]
+    assert summary["eval_after"]["bits_per_char"] == records[-1]["eval_bits_per_char"]
+    assert "<th>bits per char</th>" in (out / "report.html").read_text()
     card = (out / "final" / "README.md").read_text()
     before, after = records[0]["eval_sources"]["other"], records[-1]["eval_sources"]["other"]
     assert f"| held-out perplexity on other | {before['perplexity']:.2f} -> {after['perplexity']:.2f} |" in card
@@ -143,6 +153,7 @@ def test_summary_closing_line_card_and_report_show_each_source(runs: dict, tiny_
                                  extra=("--max_train_steps", "1", "--report", "false"))) == 0
     closing = next(line for line in caplog.text.splitlines() if "done: 1 steps" in line)
     assert "; per source: valid loss " in closing and "; other loss " in closing and " -> " in closing.split("valid")[1]
+    assert re.search(r"accuracy [0-9.]+ -> [0-9.]+, [0-9.]+ -> [0-9.]+ bits per character;", closing), closing
 
 
 def test_two_processes_and_fsdp_give_each_source_the_one_process_figures(runs: dict, tiny_model: Path,
@@ -162,8 +173,11 @@ def test_two_processes_and_fsdp_give_each_source_the_one_process_figures(runs: d
             for name in ("valid", "other"):
                 a, b = mine["eval_sources"][name], theirs["eval_sources"][name]
                 assert a["masked_tokens"] == b["masked_tokens"], (config, name)  # the same seeded masks
-                assert a["accuracy"] == b["accuracy"]
+                assert a["accuracy"] == b["accuracy"] and a["characters"] == b["characters"]
                 assert a["loss"] == pytest.approx(b["loss"], rel=SAME_STEPS), (config, mine["step"], name)
+                assert a["bits_per_char"] == pytest.approx(b["bits_per_char"], rel=SAME_STEPS), (config, name)
+            assert mine["eval_characters"] == theirs["eval_characters"]
+            assert mine["eval_bits_per_char"] == pytest.approx(theirs["eval_bits_per_char"], rel=SAME_STEPS)
 
 
 def test_streamed_sources_are_each_evaluated_and_capped(runs: dict, tiny_model: Path, corpus: dict, other: Path,

@@ -229,7 +229,8 @@ def prepare_folder_args(model: Path, folder: Path, out: Path, *extra: str) -> li
 
 
 def eval_figures(out: Path) -> list[dict[str, float]]:
-    return [{k: r[k] for k in ("step", "eval_loss", "perplexity", "eval_accuracy")}
+    keys = ("step", "eval_loss", "perplexity", "eval_accuracy", "eval_bits_per_char", "eval_characters")
+    return [{k: r[k] for k in keys}
             for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "eval_loss" in r]
 
 

@@ -28,6 +28,9 @@ EPOCH_KEY = "_epoch"  # a row's own epoch, when its batch may hold two (data.Epo
 # a mixture's row: the index of its source (data.mixture, data.mixed_stream); its EPOCH_KEY is that source's pass.
 # The collator hands the rows' tags on as batch[SOURCE_KEY], a host array the feed takes off (data.counts)
 SOURCE_KEY = "_source"
+# an evaluation batch's characters covered by its masked tokens: a () int64 tensor, the denominator of bits
+# per character (data.surface); only a collator given a character table adds it (the held-out one)
+CHARACTERS_KEY = "masked_characters"
 
 
 def sample_rng(seed: int, split: int, epoch: int, token_ids: np.ndarray) -> np.random.Generator:
@@ -99,6 +102,8 @@ class MaskingCollator:
     `positions.loss_layout`; and `padded`, a bool: whether any position of the batch is padding.
     Rows of a mixture (they carry `SOURCE_KEY`) add `SOURCE_KEY`: (B, 3) int64 numpy, each row's source,
     its pass and its tokens, for `data.counts`; numpy, not a tensor: it stays on the host.
+    With `characters` (data.surface.character_table), `CHARACTERS_KEY`: the characters the batch's masked
+    tokens cover, counted here on the host, so that evaluation sums them on the device with no read back.
     """
 
     mask_token_id: int
@@ -113,6 +118,7 @@ class MaskingCollator:
     split: int = TRAIN_SPLIT
     epoch: int = 0
     pad_to: int = 0
+    characters: np.ndarray | None = field(default=None, repr=False)  # (vocab_size,) int64, per token id
     _replacement_ids: np.ndarray = field(init=False, repr=False)
     _special: np.ndarray = field(init=False, repr=False)
     _is_special: np.ndarray = field(init=False, repr=False)  # (vocab_size,) bool, looked up per token
@@ -177,6 +183,8 @@ class MaskingCollator:
             **loss_layout(labels_t != IGNORE_INDEX),
             "padded": bool((attention == 0).any()),
         }
+        if self.characters is not None:
+            batch[CHARACTERS_KEY] = torch.tensor(int(self.characters[labels[labels != IGNORE_INDEX]].sum()))
         if SOURCE_KEY in examples[0]:
             batch[SOURCE_KEY] = np.array([[e[SOURCE_KEY], e[EPOCH_KEY], len(e["input_ids"])] for e in examples],
                                          dtype=np.int64)

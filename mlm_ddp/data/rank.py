@@ -23,6 +23,7 @@ from mlm_ddp.data.mixed_stream import MixedStream
 from mlm_ddp.data.mixture import MixedBlocks, Mixture, mixture_loader
 from mlm_ddp.data.pack import describe_sequences, pack_stats, tokenize_dataset
 from mlm_ddp.data.stream import PackedStream, is_stream, plan_stream_split, shard_stream, stream_sharding
+from mlm_ddp.data.surface import character_table
 from mlm_ddp.data.text import AnyDataset
 
 
@@ -103,7 +104,8 @@ def rank_data(data: DataConfig, training: TrainingConfig, tokenizer: Any, raw_tr
         random_replace_prob=data.random_replace_prob, **common)
     # evaluation: its own rate and BERT's 80/10/10 (the collator's defaults), whatever the training masks,
     # so that runs of other training recipes are scored on the same held-out inputs
-    eval_collator = MaskingCollator.for_tokenizer(tokenizer, split=EVAL_SPLIT,
+    # (and the characters its masked tokens cover: bits per character, comparable across tokenizers)
+    eval_collator = MaskingCollator.for_tokenizer(tokenizer, split=EVAL_SPLIT, characters=character_table(tokenizer),
                                                   mlm_probability=data.eval_mlm_probability, **common)
     pin = accelerator.device.type == "cuda"
     workers = loader_workers(data.dataloader_num_workers, accelerator.device.type, is_stream(train_ds),

@@ -1,4 +1,5 @@
-"""Held-out evaluation: per-token masked-LM loss, perplexity and accuracy, from sums reduced across
+"""Held-out evaluation: per-token masked-LM loss, perplexity and accuracy, and bits per character (the
+loss per character the masked tokens cover, data.surface: comparable across tokenizers), from sums reduced across
 ranks and then divided (a mean of per-batch or per-rank means would weigh tokens unequally). The
 cadence (--eval_steps, and the last step) is the evaluator's own: the loop calls `maybe(step)`.
 """
@@ -20,7 +21,7 @@ from torch.utils.data import DataLoader
 from mlm_ddp import data as mdata
 from mlm_ddp.cluster.collectives import sharded
 from mlm_ddp.cluster.heartbeat import PhaseReport, unreported
-from mlm_ddp.data.masking import IGNORE_INDEX, percent
+from mlm_ddp.data.masking import CHARACTERS_KEY, IGNORE_INDEX, percent
 from mlm_ddp.loop.speed import TrainingClock
 from mlm_ddp.model.loading import check_loss_sum
 
@@ -44,6 +45,14 @@ def masked_lm_metrics(loss_sum: float, masked: int, correct: int) -> dict[str, f
     loss = loss_sum / masked
     return {"loss": loss, "perplexity": math.exp(min(loss, 700.0)),  # exp overflows float64 past ~709
             "accuracy": correct / masked, "num_tokens": masked}
+
+
+def per_character(loss_sum: float, characters: float) -> dict[str, float]:
+    """Bits per character: the masked tokens' loss (nats) in bits over the characters they cover, and that
+    count; {} where the batches counted none (a collator without a character table, bench's)."""
+    if characters <= 0:
+        return {}
+    return {"bits_per_char": loss_sum / math.log(2) / characters, "characters": int(characters)}
 
 
 # FSDP: evaluation batches each rank reads ahead of its forwards, and so the most it holds at once (plus
@@ -96,11 +105,15 @@ def eval_batches(loader: DataLoader, accelerator: Accelerator) -> Iterator[Batch
 
 
 def local_sums(net: torch.nn.Module, loader: DataLoader, accelerator: Accelerator) -> torch.Tensor:
-    """This rank's (loss sum, masked tokens, correct predictions) over `loader`, on its device: (3,) float64."""
-    sums = torch.zeros(3, dtype=torch.float64, device=accelerator.device)
+    """This rank's (loss sum, masked tokens, correct predictions, characters the masked tokens cover) over
+    `loader`, on its device: (4,) float64. The characters come counted with the batch (an idle one has none)."""
+    sums = torch.zeros(4, dtype=torch.float64, device=accelerator.device)
+    no_characters = torch.zeros((), dtype=torch.float64, device=accelerator.device)
     for batch in eval_batches(loader, accelerator):
+        characters = batch.pop(CHARACTERS_KEY, no_characters)
         loss_sum, masked, correct = net(**batch)
-        sums += torch.stack([check_loss_sum(loss_sum).double(), masked.double(), correct.double()])
+        sums += torch.stack([check_loss_sum(loss_sum).double(), masked.double(), correct.double(),
+                             characters.double()])
     return sums
 
 
@@ -120,25 +133,26 @@ def evaluate_mlm(model: torch.nn.Module, loader: DataLoader | dict[str, DataLoad
     was_training = net.training
     net.eval()
     with torch.no_grad(), accelerator.autocast():
-        sums = torch.stack([local_sums(net, each, accelerator) for each in loaders.values()])  # (sources, 3)
+        sums = torch.stack([local_sums(net, each, accelerator) for each in loaders.values()])  # (sources, 4)
     net.train(was_training)
     if reducing is not None:
         reducing()
     rows = accelerator.reduce(sums, reduction="sum").tolist()
-    loss_sum, masked, correct = (sum(column) for column in zip(*rows, strict=True))  # one source: its own row
+    loss_sum, masked, correct, characters = (sum(column) for column in zip(*rows, strict=True))  # one source: its row
     if masked == 0:
         return None
-    result: dict[str, Any] = masked_lm_metrics(loss_sum, int(masked), int(correct))
+    result: dict[str, Any] = {**masked_lm_metrics(loss_sum, int(masked), int(correct)),
+                              **per_character(loss_sum, characters)}
     if isinstance(loader, dict):  # a source without a masked token (a few short texts) has no figures
         result["sources"] = {name: source_metrics(*row) for name, row in zip(loaders, rows, strict=True) if row[1]}
     return result
 
 
-def source_metrics(loss_sum: float, masked: float, correct: float) -> dict[str, float]:
+def source_metrics(loss_sum: float, masked: float, correct: float, characters: float = 0.0) -> dict[str, float]:
     """One held-out source's figures, as metrics.jsonl's "eval_sources" names them."""
     figures = masked_lm_metrics(loss_sum, int(masked), int(correct))
     return {"loss": figures["loss"], "perplexity": figures["perplexity"], "accuracy": figures["accuracy"],
-            "masked_tokens": figures["num_tokens"]}
+            "masked_tokens": figures["num_tokens"], **per_character(loss_sum, characters)}
 
 
 class Evaluator:
@@ -169,8 +183,9 @@ class Evaluator:
             return
         self.first = self.evaluate(step)
         if self.first:
-            logger.info("eval before training: loss %.4f, perplexity %.2f, accuracy %.3f%s", self.first["loss"],
-                        self.first["perplexity"], self.first["accuracy"], sources_note(self.first))
+            logger.info("eval before training: loss %.4f, perplexity %.2f, accuracy %.3f%s%s", self.first["loss"],
+                        self.first["perplexity"], self.first["accuracy"], characters_note(self.first),
+                        sources_note(self.first))
             log.write({"step": 0, "epoch": 0.0, **record_fields(self.first)}, with_tokens=False)
 
     def maybe(self, step: int, epoch: float, clock: TrainingClock) -> dict[str, Any]:
@@ -184,8 +199,8 @@ class Evaluator:
         if not self.last and not more:
             return {}
         if self.last:
-            logger.info("step %d: eval loss %.4f, perplexity %.2f%s", step, self.last["loss"], self.last["perplexity"],
-                        sources_note(self.last))
+            logger.info("step %d: eval loss %.4f, perplexity %.2f%s%s", step, self.last["loss"],
+                        self.last["perplexity"], characters_note(self.last), sources_note(self.last))
         return {**more, "step": step, "epoch": round(epoch, 4), **(record_fields(self.last) if self.last else {})}
 
 
@@ -203,8 +218,19 @@ def record_fields(result: dict[str, float]) -> dict[str, float]:
     """An evaluation as metrics.jsonl names it, with the masking rate it was measured at (when known)."""
     rate = {"eval_mlm_probability": result["mlm_probability"]} if "mlm_probability" in result else {}
     sources = {"eval_sources": result["sources"]} if "sources" in result else {}
+    characters = ({"eval_bits_per_char": result["bits_per_char"], "eval_characters": result["characters"]}
+                  if "bits_per_char" in result else {})
     return {"eval_loss": result["loss"], "perplexity": result["perplexity"], "eval_accuracy": result["accuracy"],
-            **rate, **sources}
+            **characters, **rate, **sources}
+
+
+def characters_note(*results: dict[str, Any] | None) -> str:
+    """', 1.2345 bits per character' (or ', 1.4567 -> 1.2345 bits per character' for a before and an after);
+    '' where an evaluation has no such figure (a run logged before it was recorded)."""
+    figures = [r.get("bits_per_char") for r in results if r]
+    if not figures or None in figures:
+        return ""
+    return f", {' -> '.join(f'{f:.4f}' for f in figures)} bits per character"
 
 
 def sources_note(result: dict[str, Any]) -> str:

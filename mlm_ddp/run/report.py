@@ -301,6 +301,8 @@ def facts(run: Run) -> dict[str, str]:
         "perplexity": first_last("perplexity", "{:.2f}".format),
         "best perplexity": f"{perplexities[best]:.2f} at step {steps[best]}" if best is not None else "-",
         "eval accuracy": first_last("eval_accuracy", "{:.3f}".format),
+        # the loss per character of the text the masked tokens cover: the figure to compare across tokenizers
+        "bits per char": first_last("eval_bits_per_char", "{:.4f}".format),
         "eval masked": eval_masking(run),  # perplexities at other masking rates are not comparable
         # before training -> on final/ (probing.py), beside perplexity: did the adaptation help the task?
         "downstream probe accuracy": first_last("probe_accuracy", "{:.4f}".format),
@@ -320,7 +322,8 @@ def summary_text(runs: Sequence[Run], labels: Sequence[str]) -> str:
         lines.append(f"{text} ({run.path}): {f['status']}")
         lines.append(f"  {f['steps']} steps, {f['tokens']} tokens, {f['tokens/s']} tokens/s, wall {f['wall time']}")
         lines.append(f"  train loss {f['train loss']}; eval ({f['eval masked']} masked) loss {f['eval loss']}, "
-                     f"perplexity {f['perplexity']} (best {f['best perplexity']}), accuracy {f['eval accuracy']}")
+                     f"perplexity {f['perplexity']} (best {f['best perplexity']}), accuracy {f['eval accuracy']}"
+                     + (f", bits per character {f['bits per char']}" if f["bits per char"] != "-" else ""))
         if f["downstream probe accuracy"] != "-":
             lines.append(f"  downstream probe accuracy {f['downstream probe accuracy']}, macro-F1 "
                          f"{f['downstream probe macro-F1']}; change {f['downstream probe change']}")
@@ -352,14 +355,15 @@ def table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
 
 def page(runs: Sequence[Run], labels: Sequence[str], flags: Sequence[str], images: Sequence[str]) -> str:
     columns = ["status", "steps", "tokens", "tokens/s", "wall time", "train loss", "eval masked", "eval loss",
-               "perplexity", "best perplexity", "eval accuracy", "downstream probe accuracy",
+               "perplexity", "best perplexity", "eval accuracy", "bits per char", "downstream probe accuracy",
                "downstream probe macro-F1", "downstream probe change"]
     parts = [f"<!DOCTYPE html>\n{MARKER}\n<html><head><meta charset='utf-8'><title>mlm_ddp report: "
              f"{html.escape(', '.join(r.name for r in runs))}</title><style>{CSS}</style></head><body>",
              "<h1>mlm_ddp run report</h1>",
              f"<p>{len(runs)} run(s), written {datetime.now():%Y-%m-%d %H:%M} by <code>python -m "
              "mlm_ddp.report</code>. Losses are per masked token; tokens are input tokens of all "
-             "processes; first → last logged value.</p>",
+             "processes; bits per char: the masked tokens' loss per character they cover, the figure that "
+             "compares runs of different tokenizers; first → last logged value.</p>",
              "<h2>Runs</h2>",
              table(["run", *columns], [[text, *(facts(run)[c].replace(" -> ", " → ") for c in columns)]
                                        for run, text in zip(runs, labels, strict=True)])]

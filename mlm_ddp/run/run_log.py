@@ -65,7 +65,8 @@ def tracked(record: dict[str, Any]) -> dict[str, float]:
     flat = {k: v for k, v in record.items() if k not in ("step", "eval_sources") and not isinstance(v, str)}
     for name, each in (record.get("eval_sources") or {}).items():
         flat.update({f"eval_loss/{name}": each["loss"], f"perplexity/{name}": each["perplexity"],
-                     f"eval_accuracy/{name}": each["accuracy"]})
+                     f"eval_accuracy/{name}": each["accuracy"],
+                     **({f"bits_per_char/{name}": each["bits_per_char"]} if "bits_per_char" in each else {})})
     return flat
 
 
@@ -303,6 +304,8 @@ class RunLog:
                 if "eval_loss" in record:
                     return {"loss": record["eval_loss"], "perplexity": record["perplexity"],
                             "accuracy": record["eval_accuracy"],
+                            **({"bits_per_char": record["eval_bits_per_char"], "characters": record["eval_characters"]}
+                               if "eval_bits_per_char" in record else {}),
                             **({"mlm_probability": record["eval_mlm_probability"]}
                                if "eval_mlm_probability" in record else {}),
                             **({"sources": record["eval_sources"]} if "eval_sources" in record else {})}
