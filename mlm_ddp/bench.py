@@ -457,8 +457,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\ntop operations of (b), {cfg.batch} x {cfg.seq} tokens per step, 2 steps:\n{profile}")
         print("(b)'s self time per step by kind of kernel: " + ", ".join(
             f"{kind} {seconds * 1e3:.2f} ms" for kind, seconds in sorted(result["seconds_by_kind"].items())))
-        print("(b)'s self time per step by kind: " + ", ".join(
-            f"{kind} {seconds * 1e3:.2f} ms" for kind, seconds in sorted(result["seconds_by_kind"].items())))
     print(json.dumps({"bench": "mlm_ddp", **result}))
     return 0
 
