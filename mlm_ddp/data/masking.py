@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from mlm_ddp.config.sections import check_masking
+from mlm_ddp.data import row_rng
 from mlm_ddp.errors import BadInput
 from mlm_ddp.model.positions import loss_layout
 
@@ -33,10 +34,15 @@ SOURCE_KEY = "_source"
 CHARACTERS_KEY = "masked_characters"
 
 
-def sample_rng(seed: int, split: int, epoch: int, token_ids: np.ndarray) -> np.random.Generator:
-    """A generator keyed by the sample's content, so its mask is the same wherever it is read."""
+def content_digest(token_ids: np.ndarray) -> int:
+    """A sample's 64-bit key: the hash of its token ids, so its mask is the same wherever it is read."""
     digest = hashlib.blake2b(np.ascontiguousarray(token_ids, dtype=np.int64).tobytes(), digest_size=8)
-    return np.random.default_rng([seed, split, epoch, int.from_bytes(digest.digest(), "little")])
+    return int.from_bytes(digest.digest(), "little")
+
+
+def sample_rng(seed: int, split: int, epoch: int, token_ids: np.ndarray) -> np.random.Generator:
+    """The generator a sample's mask is drawn from (mask_rows draws the same numbers for a whole batch)."""
+    return np.random.default_rng([seed, split, epoch, content_digest(token_ids)])
 
 
 def percent(rate: float) -> str:
@@ -52,10 +58,11 @@ def describe_masking(mlm_probability: float, mask_replace_prob: float, random_re
             f"{percent(mask_replace_prob)} [MASK], {percent(random_replace_prob)} random, {percent(kept)} unchanged")
 
 
-def mask_sample(
+def mask_rows(
     token_ids: np.ndarray,
+    lengths: np.ndarray,
     maskable: np.ndarray,
-    rng: np.random.Generator,
+    entropies: list[list[int]],
     mask_token_id: int,
     replacement_ids: np.ndarray,
     mlm_probability: float,
@@ -63,26 +70,47 @@ def mask_sample(
     mask_replace_prob: float = 0.8,
     random_replace_prob: float = 0.1,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Mask one sample: returns (inputs, labels), both shaped like token_ids (T,).
+    """Mask a batch of samples: returns (inputs, labels), both shaped like token_ids (B, W).
 
-    Each maskable token (or, with word_continues, each word) is selected with mlm_probability;
-    a selected token becomes [MASK] with p=mask_replace_prob, a random non-special token with
-    p=random_replace_prob, and stays itself otherwise (transformers' DataCollatorForLanguageModeling:
-    both are fractions of all selected tokens). Labels hold the original id at selected positions and
-    IGNORE_INDEX elsewhere. word_continues[t] is true where token t continues the word of token t-1.
+    Row b holds lengths[b] tokens (the rest is padding, left as it is) and draws from its own generator,
+    `np.random.default_rng(entropies[b])` (sample_rng): first one uniform per token, or with
+    word_continues one per word (at least one), selecting it below mlm_probability; then one uniform per
+    token, the action: a selected token becomes [MASK] below mask_replace_prob, a random ordinary token
+    (the third draw, one integer per token, indexes replacement_ids) below mask_replace_prob +
+    random_replace_prob, and stays itself otherwise (transformers' DataCollatorForLanguageModeling: both
+    are fractions of all selected tokens). Only maskable tokens are selected; a word starts at every
+    maskable token that does not continue (word_continues[b, t]) a maskable predecessor. Labels hold the
+    original id at selected positions and IGNORE_INDEX elsewhere.
     """
-    n = token_ids.shape[0]
+    rows, width = token_ids.shape
+    columns = np.arange(width)
+    maskable = maskable & (columns < lengths[:, None])
     if word_continues is None:
-        selected = (rng.random(n) < mlm_probability) & maskable
+        firsts = lengths  # (B,) selection draws: one per token
     else:
-        # a word starts at every maskable token that does not continue a maskable predecessor
-        prev_maskable = np.concatenate([[False], maskable[:-1]])
-        starts = maskable & ~(word_continues.astype(bool) & prev_maskable)
-        word_index = np.cumsum(starts) - 1  # (T,) index of the word each token belongs to
-        chosen_words = rng.random(max(int(starts.sum()), 1)) < mlm_probability
-        selected = maskable & chosen_words[np.clip(word_index, 0, None)]
-    action = rng.random(n)
-    draws = rng.integers(0, replacement_ids.shape[0], n)  # one per token, so the stream of draws is per sample
+        prev_maskable = np.zeros_like(maskable)
+        prev_maskable[:, 1:] = maskable[:, :-1]
+        starts = maskable & ~(word_continues & prev_maskable)
+        word_index = np.cumsum(starts, axis=1) - 1  # (B, W) index of the word each token belongs to
+        firsts = np.maximum(starts.sum(axis=1), 1)
+    # each row's draws in order: selection, action, then 32-bit halves for the replacement integers
+    raw = row_rng.raw_draws(entropies, firsts + lengths + (lengths + 1) // 2)  # (B, K) uint64
+
+    def at(offsets: np.ndarray, steps: np.ndarray = columns) -> np.ndarray:  # (B, W): raw[b, offsets[b] + steps[t]]
+        return np.take_along_axis(raw, np.minimum(offsets[:, None] + steps, raw.shape[1] - 1), axis=1)
+
+    if word_continues is None:
+        selected = maskable & (row_rng.uniform(at(np.zeros_like(lengths))) < mlm_probability)
+    else:
+        chosen_words = row_rng.uniform(raw[:, : int(firsts.max())]) < mlm_probability  # (B, words)
+        selected = maskable & np.take_along_axis(chosen_words, np.clip(word_index, 0, chosen_words.shape[1] - 1), 1)
+    action = row_rng.uniform(at(firsts))
+    draws, rejected = row_rng.bounded(row_rng.halves(at(firsts + lengths, columns // 2)), replacement_ids.shape[0])
+    for row in np.flatnonzero((rejected & (columns < lengths[:, None])).any(axis=1)):
+        # a draw Lemire's method rejects shifts the rest of its row: that row asks its generator (rare)
+        generator = np.random.default_rng(entropies[row])
+        generator.random(int(firsts[row] + lengths[row]))
+        draws[row, : lengths[row]] = generator.integers(0, replacement_ids.shape[0], int(lengths[row]))
     inputs = token_ids.copy()
     to_mask = selected & (action < mask_replace_prob)
     to_random = selected & (action >= mask_replace_prob) & (action < mask_replace_prob + random_replace_prob)
@@ -149,30 +177,32 @@ class MaskingCollator:
         self.epoch = epoch
 
     def __call__(self, examples: list[dict]) -> dict[str, torch.Tensor]:
-        width = max(self.pad_to, *(len(e["input_ids"]) for e in examples))
-        batch = len(examples)
-        input_ids = np.full((batch, width), self.pad_token_id, dtype=np.int64)
-        labels = np.full((batch, width), IGNORE_INDEX, dtype=np.int64)
-        attention = np.zeros((batch, width), dtype=np.int64)
+        rows = len(examples)
+        lengths = np.fromiter((len(e["input_ids"]) for e in examples), dtype=np.int64, count=rows)
+        width = max(self.pad_to, int(lengths.max()))
+        ids = np.full((rows, width), self.pad_token_id, dtype=np.int64)
         for row, example in enumerate(examples):
-            ids = np.asarray(example["input_ids"], dtype=np.int64)
-            n = ids.shape[0]
-            continues = None
-            if self.whole_word_mask:
-                if "word_continues" not in example:
-                    raise ValueError("whole-word masking needs the 'word_continues' column of data.tokenize_and_pack")
-                continues = np.asarray(example["word_continues"], dtype=bool)
-            rng = sample_rng(self.seed, self.split, example.get(EPOCH_KEY, self.epoch), ids)
-            low, high = (int(ids.min()), int(ids.max())) if n else (0, 0)
-            if low < 0 or high >= self._is_special.shape[0]:
-                raise BadInput(f"token id {low if low < 0 else high} is outside the "
-                               f"tokenizer's {self.vocab_size} ids: the data was tokenized with another tokenizer; "
-                               "prepare or tokenize it again with this one (--tokenizer_name)")
-            maskable = ~self._is_special[ids]
-            input_ids[row, :n], labels[row, :n] = mask_sample(
-                ids, maskable, rng, self.mask_token_id, self._replacement_ids, self.mlm_probability, continues,
-                self.mask_replace_prob, self.random_replace_prob)
-            attention[row, :n] = 1
+            ids[row, : lengths[row]] = example["input_ids"]
+        attention = (np.arange(width) < lengths[:, None]).astype(np.int64)  # (B, W)
+        tokens = ids[attention == 1]
+        if tokens.size and (tokens.min() < 0 or tokens.max() >= self._is_special.shape[0]):
+            bad = int(tokens.min()) if tokens.min() < 0 else int(tokens.max())
+            raise BadInput(f"token id {bad} is outside the "
+                           f"tokenizer's {self.vocab_size} ids: the data was tokenized with another tokenizer; "
+                           "prepare or tokenize it again with this one (--tokenizer_name)")
+        continues = None
+        if self.whole_word_mask:
+            if any("word_continues" not in e for e in examples):
+                raise ValueError("whole-word masking needs the 'word_continues' column of data.tokenize_and_pack")
+            continues = np.zeros((rows, width), dtype=bool)
+            for row, example in enumerate(examples):
+                continues[row, : lengths[row]] = example["word_continues"]
+        # each row's generator: sample_rng's entropy, keyed by the row's own tokens and epoch
+        entropies = [[self.seed, self.split, int(e.get(EPOCH_KEY, self.epoch)),
+                      content_digest(ids[row, : lengths[row]])] for row, e in enumerate(examples)]
+        input_ids, labels = mask_rows(
+            ids, lengths, ~self._is_special[ids], entropies, self.mask_token_id, self._replacement_ids,
+            self.mlm_probability, continues, self.mask_replace_prob, self.random_replace_prob)
         labels_t = torch.from_numpy(labels)
         batch = {
             "input_ids": torch.from_numpy(input_ids),

@@ -1,0 +1,157 @@
+"""The batched masking draws are numpy's per-row generators, bit for bit (data.row_rng, data.masking).
+
+The collator used to build `np.random.default_rng([seed, split, epoch, digest])` for each row and mask
+it alone; it now draws a batch at once. The masks must not move: a run resumed across this change, or
+a checkpoint's masks compared with an older run's, depend on it. So the reference here is the per-row
+algorithm as it was, frozen, and the batched one must equal it on generated batches.
+"""
+
+import numpy as np
+import pytest
+import torch
+
+from mlm_ddp.data import row_rng
+from mlm_ddp.data.masking import EPOCH_KEY, IGNORE_INDEX, MaskingCollator, mask_rows, sample_rng
+
+EDGES = [0, 1, 2**32 - 1, 2**32, 2**63 + 5, 2**64 - 1, 2**70 + 3]
+
+
+def entropies(rng: np.random.Generator, count: int) -> list[list[int]]:
+    """Lists default_rng would be given: 1 to 9 ints, each of 1 to 3 32-bit words, edges among them."""
+    out = []
+    for _ in range(count):
+        out.append([int(rng.choice(EDGES)) if rng.random() < 0.3 else int(rng.integers(0, 2**63) >> rng.integers(0, 63))
+                    for _ in range(int(rng.integers(1, 10)))])
+    return out
+
+
+def test_raw_draws_are_each_rows_own_generator() -> None:
+    rng = np.random.default_rng(0)
+    cases = entropies(rng, 200)
+    counts = rng.integers(0, 40, len(cases))
+    raw = row_rng.raw_draws(cases, counts)
+    for entropy, count, row in zip(cases, counts, raw, strict=True):
+        expected = np.random.default_rng(entropy).bit_generator.random_raw(int(count))
+        np.testing.assert_array_equal(row[:count], expected, err_msg=str(entropy))
+
+
+@pytest.mark.parametrize("high", [1, 2, 7, 30517, 2**31 + 1, 2**32 - 1])
+def test_uniform_and_bounded_are_generator_random_and_integers(high: int) -> None:
+    """2**31 + 1 rejects half its draws: there `rejected` must mark where numpy's values take the next draw."""
+    rejections = 0
+    for entropy in entropies(np.random.default_rng(high), 50):
+        doubles, n = 7, 24
+        raw = row_rng.raw_draws([entropy], np.array([doubles + (n + 1) // 2]))[0]
+        generator = np.random.default_rng(entropy)
+        np.testing.assert_array_equal(row_rng.uniform(raw[:doubles]), generator.random(doubles))
+        pairs = raw[doubles + np.arange(n) // 2]
+        values, rejected = row_rng.bounded(row_rng.halves(pairs), high)
+        expected = generator.integers(0, high, n)
+        first = int(np.argmax(rejected)) if rejected.any() else n  # numpy's values agree up to the first rejection
+        np.testing.assert_array_equal(values[:first], expected[:first])
+        rejections += first < n
+    if high == 2**31 + 1:
+        assert rejections > 0  # else the marks were never tested
+
+
+def reference_collate(collator: MaskingCollator, examples: list[dict]) -> tuple[np.ndarray, np.ndarray]:
+    """The per-row masking as the collator did it before batching (mlm_ddp <= 2026-11-28), frozen."""
+    width = max(collator.pad_to, *(len(e["input_ids"]) for e in examples))
+    inputs = np.full((len(examples), width), collator.pad_token_id, dtype=np.int64)
+    labels = np.full((len(examples), width), IGNORE_INDEX, dtype=np.int64)
+    replacement = collator._replacement_ids
+    for row, example in enumerate(examples):
+        ids = np.asarray(example["input_ids"], dtype=np.int64)
+        n = ids.shape[0]
+        rng = sample_rng(collator.seed, collator.split, example.get(EPOCH_KEY, collator.epoch), ids)
+        maskable = ~np.isin(ids, collator.special_ids)
+        if collator.whole_word_mask:
+            continues = np.asarray(example["word_continues"], dtype=bool)
+            prev_maskable = np.concatenate([[False], maskable[:-1]])
+            starts = maskable & ~(continues & prev_maskable)
+            word_index = np.cumsum(starts) - 1
+            chosen_words = rng.random(max(int(starts.sum()), 1)) < collator.mlm_probability
+            selected = maskable & chosen_words[np.clip(word_index, 0, None)]
+        else:
+            selected = (rng.random(n) < collator.mlm_probability) & maskable
+        action = rng.random(n)
+        draws = rng.integers(0, replacement.shape[0], n)
+        out = ids.copy()
+        to_mask = selected & (action < collator.mask_replace_prob)
+        edge = collator.mask_replace_prob + collator.random_replace_prob
+        to_random = selected & (action >= collator.mask_replace_prob) & (action < edge)
+        out[to_mask] = collator.mask_token_id
+        out[to_random] = replacement[draws[to_random]]
+        inputs[row, :n] = out
+        labels[row, :n] = np.where(selected, ids, IGNORE_INDEX)
+    return inputs, labels
+
+
+def generated_batch(rng: np.random.Generator, vocab: int, whole_word: bool) -> list[dict]:
+    examples = []
+    for _ in range(int(rng.integers(1, 9))):
+        n = int(rng.integers(0, 40))
+        ids = rng.integers(0, vocab, n)
+        ids[rng.random(n) < 0.1] = int(rng.integers(0, 4))  # special tokens among the ordinary ones
+        example = {"input_ids": ids.tolist(), EPOCH_KEY: int(rng.integers(0, 3))}
+        if whole_word:
+            example["word_continues"] = (rng.random(n) < 0.5).tolist()
+        examples.append(example)
+    return examples
+
+
+@pytest.mark.parametrize("whole_word", [False, True])
+def test_the_batched_collator_masks_exactly_as_the_per_row_one(whole_word: bool) -> None:
+    """Generated batches (empty rows, special tokens, per-row epochs, padding to a width, every split)."""
+    rng = np.random.default_rng(1 + whole_word)
+    for case in range(60):
+        vocab = int(rng.choice([6, 50, 30522]))
+        mask, random = [(0.8, 0.1), (1.0, 0.0), (0.0, 1.0), (0.5, 0.25)][case % 4]
+        collator = MaskingCollator(mask_token_id=3, pad_token_id=0, special_ids=[0, 1, 2, 3], vocab_size=vocab,
+                                   mlm_probability=float(rng.choice([0.15, 0.4, 0.99])), whole_word_mask=whole_word,
+                                   mask_replace_prob=mask, random_replace_prob=random, seed=int(rng.integers(0, 2**40)),
+                                   pad_to=int(rng.choice([0, 48])))
+        examples = generated_batch(rng, vocab, whole_word)
+        if not any(e["input_ids"] for e in examples):
+            continue
+        batch = collator(examples)
+        inputs, labels = reference_collate(collator, examples)
+        np.testing.assert_array_equal(batch["input_ids"].numpy(), inputs)
+        np.testing.assert_array_equal(batch["labels"].numpy(), labels)
+
+
+def test_a_row_whose_replacement_draw_is_rejected_asks_its_own_generator() -> None:
+    """Over 69,921 replacement ids a draw is rejected 1.6e-5 of the time (2**32 mod 69,921 of 2**32): in
+    256 x 512 draws ~2 are; these rows, fixed, hold some."""
+    vocab, rows, width = 69_925, 256, 512
+    rng = np.random.default_rng(3)
+    ids = rng.integers(4, vocab, (rows, width))
+    lengths = np.full(rows, width)
+    cases = [[42, 0, 0, row] for row in range(rows)]
+    replacement = np.arange(4, vocab)
+    firsts = lengths
+    raw = row_rng.raw_draws(cases, firsts + lengths + width // 2)
+    pairs = np.take_along_axis(raw, (firsts + lengths)[:, None] + np.arange(width) // 2, axis=1)
+    rejected_rows = np.flatnonzero(row_rng.bounded(row_rng.halves(pairs), replacement.shape[0])[1].any(axis=1))
+    assert rejected_rows.size > 0  # else this test would not reach the path it is for
+    inputs, labels = mask_rows(ids, lengths, np.ones_like(ids, dtype=bool), cases, 3, replacement, 0.5,
+                               mask_replace_prob=0.0, random_replace_prob=1.0)
+    for row in rejected_rows:
+        generator = np.random.default_rng(cases[row])
+        selected = generator.random(width) < 0.5
+        generator.random(width)
+        draws = generator.integers(0, replacement.shape[0], width)
+        np.testing.assert_array_equal(inputs[row], np.where(selected, replacement[draws], ids[row]))
+        np.testing.assert_array_equal(labels[row], np.where(selected, ids[row], IGNORE_INDEX))
+
+
+def test_batched_masks_are_independent_of_the_batch_a_row_lands_in() -> None:
+    collator = MaskingCollator(mask_token_id=3, pad_token_id=0, special_ids=[0, 1, 2, 3], vocab_size=50)
+    rng = np.random.default_rng(5)
+    examples = [{"input_ids": rng.integers(4, 50, int(rng.integers(5, 30))).tolist()} for _ in range(8)]
+    together = collator(examples)
+    for row, example in enumerate(examples):
+        alone = collator([example])
+        n = len(example["input_ids"])
+        assert torch.equal(alone["input_ids"][0], together["input_ids"][row, :n])
+        assert torch.equal(alone["labels"][0], together["labels"][row, :n])
