@@ -97,7 +97,7 @@ def pool_states(entropy: np.ndarray, lengths: np.ndarray) -> list[tuple[int, int
 def raw_draws(entropies: Sequence[Sequence[int]], counts: np.ndarray) -> np.ndarray:
     """Row b's first counts[b] raw outputs of `np.random.default_rng(entropies[b]).bit_generator`.
 
-    Returns (B, max(counts)) uint64, zero past each row's count. Each entropy is the list of
+    Returns (B, max(counts, 1)) uint64, zero past each row's count. Each entropy is the list of
     non-negative ints that default_rng would be given.
     """
     words = [[w for value in entropy for w in int_words(value)] for entropy in entropies]
@@ -105,7 +105,8 @@ def raw_draws(entropies: Sequence[Sequence[int]], counts: np.ndarray) -> np.ndar
     table = np.zeros((len(words), max(lengths.max(initial=1), 1)), dtype=np.uint32)
     for row, row_words in enumerate(words):
         table[row, : len(row_words)] = row_words
-    out = np.zeros((len(words), int(counts.max(initial=0))), dtype=np.uint64)
+    # at least one column, so that a batch of empty rows still has a (B, 1) table to index
+    out = np.zeros((len(words), max(int(counts.max(initial=0)), 1)), dtype=np.uint64)
     generator = np.random.PCG64(0)  # one object, put in each row's state in turn
     state = {"bit_generator": "PCG64", "state": {}, "has_uint32": 0, "uinteger": 0}
     for row, (pcg_state, inc) in enumerate(pool_states(table, lengths)):
