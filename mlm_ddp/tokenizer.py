@@ -35,7 +35,7 @@ import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from accelerate import PartialState
 from datasets import Dataset
@@ -291,6 +291,11 @@ class ExtendConfig:
         default=5.0)
     min_frequency: int = _doc("A word (BPE: a pair of pieces) becomes a token only if seen this often.",
                               default=2)
+    never_longer: Literal["text", "any_input"] = _doc(
+        "WordPiece: 'text' takes no token that lengthens a word of the text read (an unseen word glued to a "
+        "new one rarely may be); 'any_input' only tokens that cannot lengthen any input, for fewer tokens "
+        "saved (docs/vocabulary.md). BPE: never longer either way; Unigram: within its 1e-6 margin.",
+        default="text")
     overwrite_output_dir: bool = _doc("Replace --output_dir if it is not empty.", default=False)
 
     def __post_init__(self) -> None:
@@ -347,11 +352,17 @@ def extend_vocabulary(cfg: ExtendConfig) -> ExtensionResult:
     logger.info("%d training texts (%d distinct words), %d held out; choosing %d tokens", len(train), len(counts),
                 len(held_out), cfg.num_new_tokens)
     ext = vocabulary.extend(backend, counts, check, cfg.num_new_tokens, len(old), cfg.min_frequency,
-                            old.unk_token_id)
+                            old.unk_token_id, any_input=cfg.never_longer == "any_input")
     if len(ext.tokens) < cfg.num_new_tokens:
+        safe, other = "", ""
+        if ext.passed_over:
+            safe = (f" that cannot lengthen any input, and {ext.passed_over} more that could (--never_longer "
+                    "any_input passes them over)")
+            other = ", pass --never_longer text"
         raise BadInput(f"--train_file: the text yields {ext.found} useful tokens (words of several pieces, or "
-                       f"pairs of pieces, seen at least --min_frequency {cfg.min_frequency} times), fewer than "
-                       f"--num_new_tokens {cfg.num_new_tokens}; ask for at most {ext.found}, or give more text")
+                       f"pairs of pieces, seen at least --min_frequency {cfg.min_frequency} times){safe}, fewer "
+                       f"than --num_new_tokens {cfg.num_new_tokens}; ask for at most {ext.found}{other}, or give "
+                       "more text")
     try:
         model = extension_model(cfg.extend)
     except (OSError, ValueError) as err:
@@ -372,7 +383,7 @@ def extend_vocabulary(cfg: ExtendConfig) -> ExtensionResult:
         PartialState(cpu=True)  # st_files logs through accelerate's logger, which needs a state
         st_files.copy_into(ModelConfig(model_name_or_path=cfg.extend), staging)
         measured = {"training": vocabulary.measure(old, new, train), "held-out": vocabulary.measure(old, new, held_out)}
-        report = vocabulary.report_dict(ext, measured, cfg.extend)
+        report = vocabulary.report_dict(ext, measured, cfg.extend, cfg.never_longer)
         (staging / "report.json").write_text(json.dumps(report, indent=1, ensure_ascii=False), encoding="utf8")
         lines = vocabulary.report_lines(report)
         (staging / "report.md").write_text("\n".join(lines) + "\n", encoding="utf8")

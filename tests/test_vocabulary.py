@@ -46,10 +46,13 @@ def extended(tiny_model: Path, corpus: dict, tmp_path_factory: pytest.TempPathFa
     """family -> (the model, its extension by NEW tokens from train.txt)."""
     root = tmp_path_factory.mktemp("vocabulary")
     texts = corpus_paragraphs()[:300]
-    models = {"wordpiece": tiny_model, "bpe": tiny_model_with(byte_bpe(texts), "roberta", root / "bpe"),
+    models = {"wordpiece": tiny_model, "wordpiece-any": tiny_model,
+              "bpe": tiny_model_with(byte_bpe(texts), "roberta", root / "bpe"),
               "unigram": tiny_model_with(unigram(texts), "bert", root / "unigram")}
     for family, model in models.items():
-        assert extend(model, corpus, root / f"{family}-extended", "--num_new_tokens", str(NEW)) == 0
+        mode = "any_input" if family == "wordpiece-any" else "text"
+        assert extend(model, corpus, root / f"{family}-extended", "--num_new_tokens", str(NEW),
+                      "--never_longer", mode) == 0
     return {family: (model, root / f"{family}-extended") for family, model in models.items()}
 
 
@@ -78,7 +81,7 @@ def adversarial_texts(seed: int, new_words: list[str], count: int, glued: bool) 
     return [" ".join(word() for _ in range(rng.randint(1, 25))) for _ in range(count)]
 
 
-@pytest.mark.parametrize("family", ["wordpiece", "bpe", "unigram"])
+@pytest.mark.parametrize("family", ["wordpiece", "wordpiece-any", "bpe", "unigram"])
 def test_every_old_id_and_row_is_kept_and_no_text_gets_longer(family: str, extended: dict) -> None:
     source, out = extended[family]
     old, new = AutoTokenizer.from_pretrained(source), AutoTokenizer.from_pretrained(out)
@@ -100,10 +103,13 @@ def test_every_old_id_and_row_is_kept_and_no_text_gets_longer(family: str, exten
     model = AutoModelForMaskedLM.from_pretrained(out)
     assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
     assert model.get_output_embeddings().bias.shape == (len(new),)
-    # never longer: the text read (report) and generated text where the new tokens meet other words. BPE and
-    # Unigram hold it for any word; WordPiece for the words of the text read (the extension checks each), and
-    # not always for a word never seen that begins with a new token ('asyncestablished': async ##est ##ab
-    # ##lish ##ed, one more than before): its greedy longest match is not monotone (docs/vocabulary.md)
+    # never longer: the text read (report) and generated text where the new tokens meet other words. BPE,
+    # Unigram and WordPiece with --never_longer any_input hold it for any word; WordPiece by default for the
+    # words of the text read (the extension checks each), and not always for a word never seen that begins
+    # with a new token ('asyncestablished': async ##est ##ab ##lish ##ed, one more than before): its greedy
+    # longest match is not monotone (docs/vocabulary.md)
+    assert report["never_longer"] == ("any_input" if family == "wordpiece-any" else "text")
+    assert (report["passed_over_as_able_to_lengthen_an_unseen_word"] > 0) == (family == "wordpiece-any")
     assert all(m["texts_longer"] == 0 and m["tokens_after"] < m["tokens_before"] for m in report["text"].values())
     surfaces = [new.convert_tokens_to_string([t["token"]]).strip() for t in added]
     texts = adversarial_texts(58, surfaces, 300, glued=family != "wordpiece")
@@ -113,7 +119,7 @@ def test_every_old_id_and_row_is_kept_and_no_text_gets_longer(family: str, exten
     assert sum(b < a for a, b in lengths) > 150  # and most of them shorter
 
 
-@pytest.mark.parametrize("case", ["zero", "negative", "slow", "too_few", "in_use", "no_text"])
+@pytest.mark.parametrize("case", ["zero", "negative", "slow", "too_few", "too_few_any", "in_use", "no_text"])
 def test_bad_input_is_one_line_and_exit_2_before_anything_is_written(case: str, extended: dict, corpus: dict,
                                                                      tmp_path: Path,
                                                                      capsys: pytest.CaptureFixture) -> None:
@@ -127,6 +133,8 @@ def test_bad_input_is_one_line_and_exit_2_before_anything_is_written(case: str, 
         flags = ["--num_new_tokens", "0" if case == "zero" else "-3"]
     if case == "too_few":
         flags = ["--num_new_tokens", "100000"]
+    if case == "too_few_any":
+        flags = ["--num_new_tokens", "500", "--never_longer", "any_input"]
     if case == "in_use":
         out.mkdir()
         (out / "notes.txt").write_text("mine")
@@ -138,6 +146,8 @@ def test_bad_input_is_one_line_and_exit_2_before_anything_is_written(case: str, 
     assert code == 2 and len(err) == 1, err
     expected = {"zero": "--num_new_tokens must be at least 1, got 0", "negative": "got -3",
                 "slow": "not a fast one", "too_few": "the text yields 893 useful tokens",
+                "too_few_any": "yields 400 useful tokens (words of several pieces, or pairs of pieces, seen at least "
+                               "--min_frequency 2 times) that cannot lengthen any input, and 493 more that could",
                 "in_use": "is in use", "no_text": "give --train_file"}[case]
     assert expected in err[0], err[0]
     assert not out.exists() if case != "in_use" else [p.name for p in out.iterdir()] == ["notes.txt"]
@@ -191,3 +201,43 @@ def test_a_wordpiece_word_that_would_lengthen_a_word_of_the_text_is_passed_over(
     assert [t.token for t in ext.tokens] == ["ab"] and ext.dropped == ["runn"]
     assert [p.value for p in vocabulary.split(ext.backend, "running")] == ["run", "##ning"]
     assert vocabulary.extend(backend, counts, counts, 2, len(pieces), 2, 0).tokens == []  # only one fits
+
+
+def test_a_wordpiece_word_that_cannot_cross_never_lengthens_any_generated_word() -> None:
+    """--never_longer any_input on generated WordPiece vocabularies over four letters: every multi-piece word
+    `crosses` lets through, all added at once, leaves each of them followed by any of 150 generated tails,
+    and 150 generated words, no longer than before; and among the words it passes over, some do lengthen a
+    tail (the check is needed, and the generator finds what it guards against)."""
+    from tokenizers import Tokenizer, models
+
+    from mlm_ddp.model import vocabulary
+
+    rng = random.Random(58)
+    letters, caught, safe_words = "abcd", 0, 0
+
+    def text(lo: int, hi: int) -> str:
+        return "".join(rng.choice(letters) for _ in range(rng.randint(lo, hi)))
+
+    def lengths(vocab: list[str], words: list[str]) -> list[int]:
+        model = models.WordPiece({p: i for i, p in enumerate(vocab)}, unk_token="[UNK]")
+        return [len(model.tokenize(w)) for w in words]
+
+    for _ in range(30):
+        pieces = ["[UNK]", *sorted(set(letters) | {text(2, 4) for _ in range(10)}),
+                  *sorted({f"##{c}" for c in letters} | {"##" + text(2, 5) for _ in range(25)})]
+        backend = Tokenizer(models.WordPiece({p: i for i, p in enumerate(pieces)}, unk_token="[UNK]"))
+        splits = {w: vocabulary.split(backend, w) for w in {text(3, 8) for _ in range(25)}}
+        multi = {w: s for w, s in splits.items() if len(s) > 1}
+        extended = vocabulary.proper_prefixes(pieces)
+        safe = sorted(w for w, s in multi.items() if not vocabulary.crosses(w, s, "##", extended))
+        safe_words += len(safe)
+        tails = [text(1, 7) for _ in range(150)]
+        probes = [w + t for w in safe for t in tails] + [text(1, 12) for _ in range(150)]
+        before, after = lengths(pieces, probes), lengths([*pieces, *safe], probes)
+        assert all(a <= b for a, b in zip(after, before, strict=True)), [
+            p for p, a, b in zip(probes, after, before, strict=True) if a > b][:3]
+        for word in sorted(multi.keys() - set(safe)):
+            probes = [word + t for t in tails]
+            caught += any(a > b for a, b in zip(lengths([*pieces, word], probes), lengths(pieces, probes),
+                                                strict=True))
+    assert safe_words > 50 and caught > 5, (safe_words, caught)

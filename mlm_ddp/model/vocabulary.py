@@ -17,6 +17,8 @@ own, and each family is continued in its own way:
   token is split as that token + the rest, which is rarely, but can be, more pieces than before. So for
   both, every word of the text read (training and held-out share) is split again, and a new token that
   lengthens one is dropped for the next candidate; a word never seen may still, rarely, be split so.
+  With any_input (--never_longer any_input) WordPiece takes only words no input can be lengthened by
+  (`crosses`): never longer, by construction, for fewer tokens saved.
 
 A new token's embedding row (and, for a masked-LM head, its decoder row where untied and its bias) is the
 mean of the rows of the old pieces it replaces (Fast Vocabulary Transfer, Gee et al., 2022); old rows are
@@ -63,6 +65,7 @@ class Extension:
     backend: Tokenizer
     found: int  # candidates the text offered (>= len(tokens))
     dropped: list[str] = field(default_factory=list)  # WordPiece/Unigram: tokens that lengthened a word
+    passed_over: int = 0  # WordPiece with any_input: candidates some unseen word could be lengthened by
 
 
 def family_of(backend: Tokenizer) -> str:
@@ -117,20 +120,46 @@ def with_whole_words(state: dict, family: str, chosen: list[NewToken]) -> Tokeni
     return Tokenizer.from_str(json.dumps(state))
 
 
+def proper_prefixes(vocab: Iterable[str]) -> set[str]:
+    """Every string that some token of `vocab` extends: 'ab' for 'abc', '##c' for '##ces'."""
+    return {token[:k] for token in vocab for k in range(1, len(token))}
+
+
+def crosses(word: str, pieces: list[Any], prefix: str, extended: set[str]) -> bool:
+    """Whether WordPiece's greedy match, reading `word` (old `pieces`) with more letters s after it, can
+    take a continuation piece that runs past the word's end: at a piece boundary after the first, the rest
+    of the word (as '##rest') is a proper prefix of a token. If none can, the old split of word + s is the
+    word's pieces followed by the split of '##s', and the new token gives 1 + the same: shorter, for every
+    s. At the first position a longer word-initial token is no risk: the new tokenizer takes it too, being
+    the longest match. If one can, the old split may cross into s and come out shorter
+    ('asyncestablished': as ##yn ##ces ##tablished is 4; async ##est ##ab ##lish ##ed is 5)."""
+    start = len(pieces[0].value)
+    for piece in pieces[1:]:
+        if prefix + word[start:] in extended:
+            return True
+        start += len(piece.value) - len(prefix)
+    return False
+
+
 def lengthened(old: Tokenizer, new: Tokenizer, words: Iterable[str]) -> set[str]:
     """The words `new` splits into more tokens than `old` does."""
     return {w for w in words if len(split(new, w)) > len(split(old, w))}
 
 
 def extend_whole_words(backend: Tokenizer, family: str, counts: Counter[str], check: Iterable[str], n: int,
-                       first_id: int, min_frequency: int, unk_id: int | None) -> Extension:
+                       first_id: int, min_frequency: int, unk_id: int | None, any_input: bool = False) -> Extension:
     """WordPiece or Unigram: the n whole words that save most tokens, none of which lengthens a word of
-    `check` (the words of the text read)."""
+    `check` (the words of the text read); with `any_input`, WordPiece's none that `crosses` (no input)."""
     state = json.loads(backend.to_str())
     scores = [score for _, score in state["model"]["vocab"]] if family == "Unigram" else []
     candidates = whole_word_candidates(backend, counts, min_frequency, unk_id)
+    passed_over = 0
+    if any_input and family == "WordPiece":
+        prefix, extended = state["model"]["continuing_subword_prefix"], proper_prefixes(state["model"]["vocab"])
+        safe = [c for c in candidates if not crosses(c[1], c[2], prefix, extended)]
+        candidates, passed_over = safe, len(candidates) - len(safe)
     if len(candidates) < n:
-        return Extension(family, first_id, [], backend, len(candidates))
+        return Extension(family, first_id, [], backend, len(candidates), passed_over=passed_over)
     check, banned, dropped = set(check), set(), []
     for _ in range(MOST_ROUNDS):
         picked = [c for c in candidates if c[1] not in banned][:n]
@@ -143,12 +172,12 @@ def extend_whole_words(backend: Tokenizer, family: str, counts: Counter[str], ch
         new = with_whole_words(state, family, chosen)
         longer = lengthened(backend, new, check)
         if not longer:
-            return Extension(family, first_id, chosen, new, len(candidates), dropped)
+            return Extension(family, first_id, chosen, new, len(candidates), dropped, passed_over)
         # the new tokens the lengthened words now use: drop them, take the next candidates
         culprits = {t.value for w in longer for t in split(new, w) if t.id >= first_id}
         banned |= culprits
         dropped += sorted(culprits)
-    return Extension(family, first_id, [], backend, len(candidates) - len(banned), dropped)
+    return Extension(family, first_id, [], backend, len(candidates) - len(banned), dropped, passed_over)
 
 
 def merged(a: str, b: str, prefix: str | None) -> str:
@@ -219,12 +248,12 @@ def extend_bpe(backend: Tokenizer, counts: Counter[str], n: int, first_id: int, 
 
 
 def extend(backend: Tokenizer, train_counts: Counter[str], check: Iterable[str], n: int, first_id: int,
-           min_frequency: int, unk_id: int | None) -> Extension:
+           min_frequency: int, unk_id: int | None, any_input: bool = False) -> Extension:
     """The extension of `backend` by n tokens learned from `train_counts` (see the module's docstring)."""
     family = family_of(backend)
     if family == "BPE":
         return extend_bpe(backend, train_counts, n, first_id, min_frequency)
-    return extend_whole_words(backend, family, train_counts, check, n, first_id, min_frequency, unk_id)
+    return extend_whole_words(backend, family, train_counts, check, n, first_id, min_frequency, unk_id, any_input)
 
 
 def grow_embeddings(model: torch.nn.Module, tokens: list[NewToken], size: int) -> None:
@@ -246,11 +275,14 @@ def grow_embeddings(model: torch.nn.Module, tokens: list[NewToken], size: int) -
                 weight[new.id] = weight[new.piece_ids].float().mean(0).to(weight.dtype)
 
 
-def report_dict(extension: Extension, measured: dict[str, dict[str, float]], model: str) -> dict[str, Any]:
+def report_dict(extension: Extension, measured: dict[str, dict[str, float]], model: str,
+                never_longer: str) -> dict[str, Any]:
     """What report.json holds: the extension, the text measured before and after, each new token."""
-    return {"model": model, "family": extension.family, "old_vocabulary": extension.old_size,
+    return {"model": model, "family": extension.family, "never_longer": never_longer,
+            "old_vocabulary": extension.old_size,
             "new_vocabulary": extension.old_size + len(extension.tokens), "candidates_found": extension.found,
-            "dropped_for_lengthening_a_word": extension.dropped, "text": measured,
+            "dropped_for_lengthening_a_word": extension.dropped,
+            "passed_over_as_able_to_lengthen_an_unseen_word": extension.passed_over, "text": measured,
             "tokens": [asdict(t) for t in extension.tokens]}
 
 
@@ -276,7 +308,10 @@ def report_lines(report: dict[str, Any], shown: int = 20) -> list[str]:
     """The report as Markdown: the text before and after, then the new tokens (the first `shown` in the log)."""
     lines = [f"# Vocabulary extension of {report['model']}", "",
              f"{report['family']} tokenizer, {report['old_vocabulary']} -> {report['new_vocabulary']} tokens "
-             f"({report['candidates_found']} candidates in the training text).", "",
+             f"({report['candidates_found']} candidates in the training text; --never_longer "
+             f"{report['never_longer']}, {report['passed_over_as_able_to_lengthen_an_unseen_word']} passed over as "
+             f"able to lengthen an unseen word, {len(report['dropped_for_lengthening_a_word'])} dropped for "
+             "lengthening a word of the text).", "",
              "| text | texts | tokens before | tokens after | saving | tokens/word before -> after | "
              "tokens/char before -> after | texts made longer |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name, m in report["text"].items():
