@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 from pathlib import Path
 
 import pytest
@@ -156,11 +157,19 @@ def test_bad_input_is_one_line_and_exit_2_before_anything_is_written(case: str, 
 def test_one_and_two_processes_train_an_extended_model_alike_with_whole_word_masking(extended: dict, corpus: dict,
                                                                                       tmp_path: Path) -> None:
     """`--model_name_or_path DIR` of an extension: global batch 8 as 1 x 8 and 2 x 4 (fp32, dropout off):
-    the same losses and held-out figures (SAME_STEPS); final/ keeps the grown vocabulary."""
+    the same losses and held-out figures (SAME_STEPS); a resume from step 2 takes the same step 3, to the
+    bit; final/ keeps the grown vocabulary."""
     _, model = extended["wordpiece"]
     steps = ["--max_train_steps", "3", "--eval_steps", "3", "--whole_word_mask"]
-    one = tmp_path / "one"
-    assert train_main(tiny_args(model, corpus, one, *COMMON, *steps, "--per_device_train_batch_size", "8")) == 0
+    one, resumed = tmp_path / "one", tmp_path / "resumed"
+    args = [*COMMON, *steps, "--per_device_train_batch_size", "8", "--checkpointing_steps", "2"]
+    assert train_main(tiny_args(model, corpus, one, *args)) == 0
+    shutil.copytree(one / "checkpoints" / "step-0000002", resumed / "checkpoints" / "step-0000002")
+    # the records of steps 1-2 only, so that step 3's loss is the resumed run's own
+    records = (one / "metrics.jsonl").read_text().splitlines()
+    (resumed / "metrics.jsonl").write_text("".join(f"{r}\n" for r in records if json.loads(r).get("step", 0) <= 2))
+    assert train_main(tiny_args(model, corpus, resumed, *args, "--resume_from_checkpoint", "latest")) == 0
+    assert sorted(train_losses(resumed)) == [1, 2, 3] and train_losses(resumed)[3] == train_losses(one)[3]
     proc = run_module(launch("cpu_ddp.yaml", model, corpus, tmp_path / "two", *steps,
                              "--per_device_train_batch_size", "4"))
     assert proc.returncode == 0, proc.stderr[-3000:]
