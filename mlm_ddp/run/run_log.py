@@ -10,7 +10,7 @@ import importlib.util
 import json
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -145,6 +145,7 @@ class Utilisation:
     masked_only: bool  # the head runs on the masked tokens only
     peak: float
     last_layer_subset: bool = False  # so does the last encoder layer, but for its keys and values
+    measured: bool = True  # the peak was measured at the start (False: --peak_tflops)
 
     def mfu(self, tokens_per_s_per_device: float, masked: float, tokens: float) -> float:
         share = masked / max(tokens, 1)
@@ -164,7 +165,7 @@ def utilisation(model_config: Any, seq_len: int, peak_tflops: float | None, acce
                 "--peak_tflops" if peak_tflops else "measured now: a matmul at the training precision")
     wrapper = accelerator.unwrap_model(model)
     return Utilisation(functools.partial(speed.training_flops_per_token, model_config, seq_len),
-                       wrapper.masked_only, peak, wrapper.last_layer_subset)
+                       wrapper.masked_only, peak, wrapper.last_layer_subset, measured=not peak_tflops)
 
 
 def describe_start(cfg: Config, topo: Any, precision: tuple[str, str], accelerator: Accelerator, data: str,
@@ -215,6 +216,7 @@ class RunLog:
         self.start_step = start_step
         self.clock, self.progress = TrainingClock(), None
         self.usage = usage  # None: MFU not logged (a model whose FLOPs are not counted)
+        self.said_over = False  # the line on an MFU above 100% that no new peak explains, said once
         self.run_masked = self.run_tokens = 0.0  # all ranks, over the logged steps: the run's head share
 
     def _trim(self, step: int) -> None:
@@ -277,7 +279,24 @@ class RunLog:
         """MFU of all ranks' `tokens_per_s` (each device trains its share); None where not counted."""
         if self.usage is None:
             return None
-        return self.usage.mfu(tokens_per_s / self.accelerator.num_processes, masked, tokens)
+        mfu = self.usage.mfu(tokens_per_s / self.accelerator.num_processes, masked, tokens)
+        if mfu > 1 and self.usage.measured:
+            # above the peak: the 1 s measured at the start shared the cores with other work (a busy CPU,
+            # another job on the GPU). Measured again, outside the training clock, the higher one kept
+            with self.clock.paused():
+                again = speed.measure_peak(self.accelerator)
+            if again > self.usage.peak:
+                logger.warning("MFU %.1f%% is above 100%%: the peak measured at the start, %.3f TFLOP/s, was "
+                               "low (the device was busy then); measured again: %.3f TFLOP/s, which MFU is "
+                               "against from here on", 100 * mfu, self.usage.peak / 1e12, again / 1e12)
+                self.usage = replace(self.usage, peak=again)
+                mfu = self.usage.mfu(tokens_per_s / self.accelerator.num_processes, masked, tokens)
+        if mfu > 1 and not self.said_over:
+            self.said_over = True
+            logger.warning("MFU %.1f%% is above 100%% of %.3f TFLOP/s (%s): that peak is too low for this "
+                           "device; give its real one with --peak_tflops", 100 * mfu, self.usage.peak / 1e12,
+                           "measured twice" if self.usage.measured else "--peak_tflops")
+        return mfu
 
     def write(self, record: dict[str, Any], with_tokens: bool = True) -> None:
         """Append `record` (if any) to metrics.jsonl and the trackers, with the tokens seen so far (a
