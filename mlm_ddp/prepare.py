@@ -44,6 +44,7 @@ from mlm_ddp.data.pack import TOKENIZE_BATCH
 from mlm_ddp.data.pool import Packer, WorkerDied, Workers
 from mlm_ddp.data.sources import PROG, Corpus, FileRead, count_rows, one_corpus, owned_chunks, reader, resolve
 from mlm_ddp.data.stream import balance_shards
+from mlm_ddp.data.text import data_notes
 from mlm_ddp.errors import EXIT_BAD_INPUT, BadInput, say
 
 
@@ -445,6 +446,8 @@ def make_parser() -> HfArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     try:
         model, data, opts = parse_exactly(make_parser(), argv)
+        for note in data_notes(data):  # as mlm_ddp.train warns them: taken as given, likely a mistake
+            say(f"{PROG}: warning: {note}")
         if opts.nodes is not None:
             manifest = submit(model, data, opts)
         else:

@@ -179,11 +179,11 @@ def test_a_truncated_mask_and_stdin_not_utf8_are_one_line(tiny_model: Path, monk
     assert "stdin is not UTF-8 text" in capsys.readouterr().err
 
 
-def test_a_silent_mistake_is_one_warning_line_and_the_run_goes_on(tiny_model: Path, corpus: dict,
-                                                                  tmp_path: Path) -> None:
+def test_a_silent_mistake_is_one_warning_line_and_the_run_goes_on(tiny_model: Path, corpus: dict, tmp_path: Path,
+                                                                  capsys: pytest.CaptureFixture) -> None:
     """Accepted as given, each said once before the run starts: a weight with one source, a held-out file that is
-    a training file, a folder of the user's own files (kept: a run touches only its own names), a probe scored on
-    its own training set."""
+    a training file (by train and by prepare), a folder of the user's own files (kept: a run touches only its own
+    names), a probe scored on its own training set."""
     from mlm_ddp.config import parse_args
     from mlm_ddp.probe.config import ProbeConfig
     from mlm_ddp.probe.standalone import load_probe_data
@@ -201,6 +201,12 @@ def test_a_silent_mistake_is_one_warning_line_and_the_run_goes_on(tiny_model: Pa
     assert len(notes) == len(expected) and all(n.startswith(e) for n, e in zip(notes, expected, strict=True)), notes
     assert all("\n" not in note for note in notes)
     assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]  # preflight writes nothing
+    capsys.readouterr()
+    assert main_of("prepare")(["--model_name_or_path", str(tiny_model), "--train_file", str(corpus["train"]),
+                               "--validation_file", same, "--output_dir", str(tmp_path / "prepared"),
+                               "--max_seq_length", "32", "--num_workers", "1"]) == 0
+    warned = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
+    assert len(warned) == 1 and warned[0].startswith(f"mlm_ddp.prepare: warning: {expected[1]}"), warned
     labeled = tmp_path / "task.csv"
     labeled.write_text("text,label\n" + "".join(f"text {i},{i % 2}\n" for i in range(20)))
     probe_notes = load_probe_data(ProbeConfig(train_file=str(labeled), test_file=str(labeled))).notes
