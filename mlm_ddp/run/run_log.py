@@ -284,7 +284,10 @@ class RunLog:
             # above the peak: the 1 s measured at the start shared the cores with other work (a busy CPU,
             # another job on the GPU). Measured again, outside the training clock, the higher one kept
             with self.clock.paused():
-                again = speed.measure_peak(self.accelerator)
+                try:
+                    again = speed.measure_peak(self.accelerator)
+                except torch.OutOfMemoryError:  # a GPU filled by training: no room for the matmul's operands
+                    again = 0.0  # the line below says the figure is above the peak
             if again > self.usage.peak:
                 logger.warning("MFU %.1f%% is above 100%%: the peak measured at the start, %.3f TFLOP/s, was "
                                "low (the device was busy then); measured again: %.3f TFLOP/s, which MFU is "
