@@ -298,7 +298,7 @@ class RunLog:
             self.said_over = True
             logger.warning("MFU %.1f%% is above 100%% of %.3f TFLOP/s (%s): that peak is too low for this "
                            "device; give its real one with --peak_tflops", 100 * mfu, self.usage.peak / 1e12,
-                           "measured twice" if self.usage.measured else "--peak_tflops")
+                           "measured" if self.usage.measured else "--peak_tflops")
         return mfu
 
     def write(self, record: dict[str, Any], with_tokens: bool = True) -> None:
