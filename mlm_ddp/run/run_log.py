@@ -216,7 +216,7 @@ class RunLog:
         self.start_step = start_step
         self.clock, self.progress = TrainingClock(), None
         self.usage = usage  # None: MFU not logged (a model whose FLOPs are not counted)
-        self.said_over = False  # the line on an MFU above 100% that no new peak explains, said once
+        self.over_peak = False  # an MFU above 100% was met: the peak measured again (once), or a line said
         self.run_masked = self.run_tokens = 0.0  # all ranks, over the logged steps: the run's head share
 
     def _trim(self, step: int) -> None:
@@ -280,7 +280,10 @@ class RunLog:
         if self.usage is None:
             return None
         mfu = self.usage.mfu(tokens_per_s / self.accelerator.num_processes, masked, tokens)
-        if mfu > 1 and self.usage.measured:
+        if mfu <= 1 or self.over_peak:  # once per run: a re-measurement costs 1 s, and would at every log
+            return mfu
+        self.over_peak = True
+        if self.usage.measured:
             # above the peak: the 1 s measured at the start shared the cores with other work (a busy CPU,
             # another job on the GPU). Measured again, outside the training clock, the higher one kept
             with self.clock.paused():
@@ -294,8 +297,7 @@ class RunLog:
                                "against from here on", 100 * mfu, self.usage.peak / 1e12, again / 1e12)
                 self.usage = replace(self.usage, peak=again)
                 mfu = self.usage.mfu(tokens_per_s / self.accelerator.num_processes, masked, tokens)
-        if mfu > 1 and not self.said_over:
-            self.said_over = True
+        if mfu > 1:
             logger.warning("MFU %.1f%% is above 100%% of %.3f TFLOP/s (%s): that peak is too low for this "
                            "device; give its real one with --peak_tflops", 100 * mfu, self.usage.peak / 1e12,
                            "measured" if self.usage.measured else "--peak_tflops")
