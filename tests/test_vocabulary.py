@@ -110,7 +110,8 @@ def test_every_old_id_and_row_is_kept_and_no_text_gets_longer(family: str, exten
     # with a new token ('asyncestablished': async ##est ##ab ##lish ##ed, one more than before): its greedy
     # longest match is not monotone (docs/vocabulary.md)
     assert report["never_longer"] == ("any_input" if family == "wordpiece-any" else "text")
-    assert (report["passed_over_as_able_to_lengthen_an_unseen_word"] > 0) == (family == "wordpiece-any")
+    passed_over = report["passed_over_as_able_to_lengthen_an_unseen_word"]
+    assert passed_over > 0 if family == "wordpiece-any" else passed_over is None
     assert all(m["texts_longer"] == 0 and m["tokens_after"] < m["tokens_before"] for m in report["text"].values())
     surfaces = [new.convert_tokens_to_string([t["token"]]).strip() for t in added]
     texts = adversarial_texts(58, surfaces, 300, glued=family != "wordpiece")

@@ -282,7 +282,9 @@ def report_dict(extension: Extension, measured: dict[str, dict[str, float]], mod
             "old_vocabulary": extension.old_size,
             "new_vocabulary": extension.old_size + len(extension.tokens), "candidates_found": extension.found,
             "dropped_for_lengthening_a_word": extension.dropped,
-            "passed_over_as_able_to_lengthen_an_unseen_word": extension.passed_over, "text": measured,
+            # None: not looked for (--never_longer text)
+            "passed_over_as_able_to_lengthen_an_unseen_word": extension.passed_over if never_longer == "any_input"
+            else None, "text": measured,
             "tokens": [asdict(t) for t in extension.tokens]}
 
 
@@ -306,11 +308,12 @@ def measure(old: Any, new: Any, texts: list[str]) -> dict[str, float]:
 
 def report_lines(report: dict[str, Any], shown: int = 20) -> list[str]:
     """The report as Markdown: the text before and after, then the new tokens (the first `shown` in the log)."""
+    passed_over = report["passed_over_as_able_to_lengthen_an_unseen_word"]
+    passed = "" if passed_over is None else f", {passed_over} passed over as able to lengthen an unseen word"
     lines = [f"# Vocabulary extension of {report['model']}", "",
              f"{report['family']} tokenizer, {report['old_vocabulary']} -> {report['new_vocabulary']} tokens "
              f"({report['candidates_found']} candidates in the training text; --never_longer "
-             f"{report['never_longer']}, {report['passed_over_as_able_to_lengthen_an_unseen_word']} passed over as "
-             f"able to lengthen an unseen word, {len(report['dropped_for_lengthening_a_word'])} dropped for "
+             f"{report['never_longer']}{passed}, {len(report['dropped_for_lengthening_a_word'])} dropped for "
              "lengthening a word of the text).", "",
              "| text | texts | tokens before | tokens after | saving | tokens/word before -> after | "
              "tokens/char before -> after | texts made longer |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
