@@ -201,7 +201,7 @@ def build(cfg: Config, checked: Checked, hooks: Hooks) -> Training:
     heartbeat.start()
     usage = utilisation(checked.model_config, cfg.data.max_seq_length, cfg.run.peak_tflops, accelerator, model)
     log = RunLog(cfg, accelerator, checked.trackers, start.state.step, data.total_steps, start.resume_from is not None,
-                 start.state.tokens_seen, usage, heartbeat.beat)
+                 start.state.tokens_seen, usage, heartbeat.beat, start.state.log_window)
     every = probing.EveryEval(cfg, accelerator, wait, checked.folder, model, checked.tokenizer, heartbeat.beat)
     evaluator = Evaluator(cfg.run.eval_steps, data.total_steps, accelerator, model, data.eval_loader, heartbeat.beat,
                           mlm_probability=cfg.data.eval_mlm_probability, then=every.at_eval)
@@ -326,7 +326,7 @@ def trainer_state(run: Training, step: int, at: mdata.FeedPosition) -> ckpt.Trai
     sampler = run.feed.sampler
     return ckpt.TrainerState(step, at.epoch, at.batch_in_epoch, run.log.tokens_total(), run.accelerator.num_processes,
                              at.block_in_epoch, None if sampler is None else sampler.layout_batch,
-                             run.checked.precision[0], run.feed.counted())
+                             run.checked.precision[0], run.feed.counted(), run.log.window())
 
 
 def position_after(run: Training, step: int) -> tuple[ckpt.TrainerState, dict | None]:
@@ -363,7 +363,7 @@ def finish(run: Training, steps: int, started: float, probed_before: dict | None
     accelerator, log, folder = run.accelerator, run.log, run.checked.folder
     tokens_seen = log.tokens_total()
     card = model_card(run.cfg, steps, tokens_seen, run.evaluator.first, run.evaluator.last,
-                      run.checked.model_config)
+                      run.checked.model_config, run.scheduler.base_lrs[0])
     run.heartbeat.beat(steps, "final save")
     final = folder.save_final(accelerator, run.wait, run.model, run.checked.tokenizer, card)
     probed = run.every.after_training(log, steps, final, probed_before)

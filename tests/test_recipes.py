@@ -5,6 +5,7 @@ square-root rule when the global batch differs from the recipe's, and stays as g
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -60,6 +61,10 @@ def test_every_recipe_trains_three_steps(name: str, tiny_model: Path, corpus: di
     assert max(rates) <= peak * (1 + 1e-9)
     if cfg.training.lr_scheduler_type == "warmup_stable_decay":
         assert max(rates) == pytest.approx(peak, rel=1e-9)
+    # the card states the rate trained at, not the recipe's unscaled one
+    card_rate = re.search(r"^\| learning rate \| (\S+) \(--learning_rate", (tmp_path / "run" / "final" / "README.md")
+                          .read_text(), re.MULTILINE)
+    assert card_rate and float(card_rate.group(1)) == pytest.approx(peak, rel=1e-5), card_rate
 
 
 def test_modernbert_trains_at_its_scaled_peak_and_evaluates_at_15_percent(tiny_model: Path, corpus: dict,

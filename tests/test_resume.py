@@ -2,7 +2,9 @@
 
 A run of 8 optimizer steps saves at step 4 (mid-epoch); a copy of that checkpoint, resumed, must
 train steps 5..8 with the same losses (dropout on: RNG states are restored too). A resumed stream
-re-reads at most one chunk of texts, never its epoch from the start.
+re-reads at most one chunk of texts, never its epoch from the start. With accumulation the runs log every
+3 steps, so the checkpoint falls inside a logged window: the resumed run's first line covers steps 4-6, as
+the uninterrupted run's does (the checkpoint carries the window's sums).
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ def test_resume_continues_the_uninterrupted_curve(kind: str, procs: int, ga: int
                                                   tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     common = ["--max_train_steps", "8", "--checkpointing_steps", "4", "--gradient_accumulation_steps", str(ga),
-              "--per_device_train_batch_size", str(8 // procs)]
+              "--per_device_train_batch_size", str(8 // procs), "--logging_steps", str(2 * ga - 1)]
     if kind == "stream":
         common += ["--streaming", "--shuffle_buffer_size", str(CHUNK), "--max_eval_samples", "16"]
     run(procs, tiny_args(tiny_model, corpus, straight, *common), caplog)
@@ -50,7 +52,7 @@ def test_resume_continues_the_uninterrupted_curve(kind: str, procs: int, ga: int
     log = run(procs, tiny_args(tiny_model, corpus, resumed, *common, "--resume_from_checkpoint", "latest"), caplog)
 
     a, b = train_losses(straight), train_losses(resumed)
-    assert sorted(b) == [5, 6, 7, 8]
+    assert sorted(b) == ([5, 6, 7, 8] if ga == 1 else [6, 8])
     worst = max(abs(a[s] - b[s]) / a[s] for s in b)
     assert worst <= (1e-6 if procs == 1 else 1e-5), (worst, a, b)
     if kind == "stream":

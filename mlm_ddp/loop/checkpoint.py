@@ -66,6 +66,9 @@ class TrainerState:
     # a mixture's: each source's name, blocks, tokens and passes trained so far, all ranks (data/counts.py); None:
     # one source, or a checkpoint older than these counts
     sources: list[dict] | None = None
+    # (loss sum, masked, tokens) of every rank since the last metrics line (--logging_steps > 1), which the first
+    # line after a resume adds in; None: older
+    log_window: list[float] | None = None
 
 
 def checkpoints_dir(output_dir: str | Path) -> Path:

@@ -99,7 +99,7 @@ class LossSpikes:
         checkpointer.restore(latest, {}, saved.step)
         feed.seek(saved.epoch, saved.batch_in_epoch, saved.block_in_epoch,
                   None if feed.sampler is not None else ckpt.read_data_state(latest, rank), saved.sources)
-        log.rewind(saved.step, saved.tokens_seen)
+        log.rewind(saved.step, saved.tokens_seen, saved.log_window)
         self.spiked_windows.add(window_key(at))
         self.counts["rolled_back"] += 1
         logger.warning("%s: rolled back to %s; the step's %d micro-batch(es) from epoch %d, micro-batch %d%s on are "

@@ -17,10 +17,11 @@ from mlm_ddp.run import st_files
 
 
 def model_card(cfg: Config, steps: int, tokens: int, eval_before: dict[str, float] | None,
-               eval_after: dict[str, float] | None, model_config: Any) -> str:
+               eval_after: dict[str, float] | None, model_config: Any, learning_rate: float) -> str:
     """final/README.md in the Hub's model-card format: YAML metadata, then what was trained on what,
     for how long, how well, and the command that does it again. `model_config`: the source checkpoint's
-    (or the one trained from scratch), whose dtype the card names beside final/'s float32."""
+    (or the one trained from scratch), whose dtype the card names beside final/'s float32. `learning_rate`:
+    the peak rate trained at, which --lr_reference_batch may have scaled from --learning_rate."""
     model, data = cfg.model, cfg.data
     source, kind = checkpoint_dtype(model_config), model_config.model_type
     weights = "float32" + ("" if from_scratch(model) else
@@ -44,7 +45,9 @@ def model_card(cfg: Config, steps: int, tokens: int, eval_before: dict[str, floa
     rows = [("training steps", f"{steps}"), ("tokens trained on", f"{tokens:,}"),
             ("sequence length", f"{data.max_seq_length}"), ("masking", describe_masking(
                 data.mlm_probability, data.mask_replace_prob, data.random_replace_prob, data.whole_word_mask)),
-            ("learning rate", f"{cfg.training.learning_rate:g}"),
+            ("learning rate", f"{learning_rate:g}" + ("" if learning_rate == cfg.training.learning_rate else
+                                                      f" (--learning_rate {cfg.training.learning_rate:g} scaled to "
+                                                      "the global batch by --lr_reference_batch)")),
             ("weights", weights)]
     for name, result in (("before", eval_before), ("after", eval_after)):
         if result:

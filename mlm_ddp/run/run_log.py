@@ -196,7 +196,7 @@ class RunLog:
 
     def __init__(self, cfg: Config, accelerator: Accelerator, trackers: list[str], start_step: int,
                  total_steps: int, resumed: bool, tokens_before: int, usage: Utilisation | None = None,
-                 beat: PhaseReport = unreported) -> None:
+                 beat: PhaseReport = unreported, window: list[float] | None = None) -> None:
         self.accelerator, self.trackers, self.every = accelerator, trackers, cfg.run.logging_steps
         self.beat = beat
         self.total_steps, self.tokens_before = total_steps, tokens_before
@@ -211,7 +211,7 @@ class RunLog:
                         out.resolve().name, f"; not installed, so not used: {', '.join(skipped)}" if skipped else "")
             accelerator.init_trackers(TRACKING_PROJECT, init_kwargs=tracker_kwargs(out, trackers),
                                       config=tracker_config(cfg))
-        self.since_log = StepSums.zeros(accelerator.device)
+        self.since_log, self.carried_tokens = self._carried(window)
         self.trained = torch.zeros((), dtype=torch.float64, device=accelerator.device)  # this rank's tokens
         self.start_step = start_step
         self.clock, self.progress = TrainingClock(), None
@@ -225,12 +225,29 @@ class RunLog:
             kept = [line for line, record in read_metrics_lines(self.path) if record.get("step", 0) <= step]
             write_atomic(self.path, "".join(line + "\n" for line in kept))
 
-    def rewind(self, step: int, tokens_seen: int) -> None:
-        """Back to a checkpoint's `step` (a loss-spike rollback): its lines, counts and progress."""
+    def _carried(self, window: list[float] | None) -> tuple[StepSums, float]:
+        """The sums since the last metrics line that a checkpoint carried over (`window`: every rank's, from
+        `window`; None: none, or a checkpoint older than them), on the main process alone since `maybe` adds
+        the ranks up; and its tokens, which the record's tokens/s leaves out (they were trained before the
+        clock started). So the first line after a resume covers the same steps as an uninterrupted run's."""
+        sums = StepSums.zeros(self.accelerator.device)
+        if not window:
+            return sums, 0.0
+        if self.accelerator.is_main_process:
+            sums = StepSums(*torch.tensor(window, dtype=torch.float64, device=self.accelerator.device).unbind())
+        return sums, window[2]
+
+    def window(self) -> list[float]:
+        """(loss sum, masked, tokens) of every rank since the last metrics line, for a checkpoint (a collective)."""
+        return list(self.since_log.reduced(self.accelerator))
+
+    def rewind(self, step: int, tokens_seen: int, window: list[float] | None = None) -> None:
+        """Back to a checkpoint's `step` (a loss-spike rollback): its lines, counts, progress and the sums since
+        its last metrics line (`window`)."""
         self._trim(step)
         self.tokens_before, self.start_step = tokens_seen, step
         self.trained = torch.zeros_like(self.trained)
-        self.since_log = StepSums.zeros(self.accelerator.device)
+        self.since_log, self.carried_tokens = self._carried(window)
         if self.progress is not None:
             self.progress.n = step
             self.progress.refresh()
@@ -260,8 +277,8 @@ class RunLog:
             return {}
         loss_sum, masked, tokens = self.since_log.reduced(self.accelerator)
         record = {"step": step, "epoch": round(epoch, 4), "loss": loss_sum / max(masked, 1), "lr": lr,
-                  "tokens_per_s": tokens / self.clock.lap()}
-        self.since_log = StepSums.zeros(self.accelerator.device)
+                  "tokens_per_s": (tokens - self.carried_tokens) / self.clock.lap()}
+        self.since_log, self.carried_tokens = StepSums.zeros(self.accelerator.device), 0.0
         self.run_masked, self.run_tokens = self.run_masked + masked, self.run_tokens + tokens
         shown = {"loss": f"{record['loss']:.4f}", "tok_s": f"{record['tokens_per_s']:.0f}"}
         mfu = self._mfu(record["tokens_per_s"], masked, tokens)
