@@ -22,7 +22,6 @@ from typing import Any
 import numpy as np
 import torch
 from datasets import IterableDataset, concatenate_datasets
-from datasets.distributed import split_dataset_by_node
 
 from mlm_ddp.config import DataConfig
 from mlm_ddp.data.pack import tokenize_and_pack
@@ -147,8 +146,8 @@ def plan_stream_split(ds: IterableDataset, world_size: int) -> StreamSplit:
         return StreamSplit("whole", 1, [list(range(ds.num_shards))], None if sizes is None else [sum(sizes)])
     if ds.num_shards % world_size:
         return StreamSplit("texts", world_size)
-    if sizes is None:
-        return StreamSplit("files", world_size)
+    if sizes is None:  # dealt by position, the same shards every epoch
+        return StreamSplit("files", world_size, naive_shards(ds.num_shards, world_size))
     shards = balance_shards(sizes, world_size)
     naive = naive_shards(len(sizes), world_size)
     return StreamSplit("files", world_size, shards, [sum(sizes[i] for i in part) for part in shards],
@@ -159,34 +158,48 @@ def _is_mine(_example: dict, index: int, rank: int, world_size: int) -> bool:
     return index % world_size == rank
 
 
+def single_shards(ds: IterableDataset) -> list[IterableDataset]:
+    """Each shard of a stream as a stream of its own: `datasets` divides the stream's skip/take counts
+    (the held-out share, --max_train_samples) over its shards here (`split_number`: n // shards each,
+    one more for the first n % shards), which fixes which texts they cover whatever the world size.
+
+    Its features are resolved first, from the whole stream's first text: joining the shards again
+    would otherwise read each shard's first text for them, and fail on a shard the skip emptied.
+    """
+    ds = ds._resolve_features()
+    return [ds.shard(num_shards=ds.num_shards, index=i, contiguous=True) for i in range(ds.num_shards)]
+
+
 def shard_stream(ds: IterableDataset, rank: int, world_size: int) -> IterableDataset:
     """This rank's part of a raw stream: whole shards when they divide evenly, else every n-th text.
 
-    Whole shards: when they are local files, the rank's files are picked by `balance_shards` and
-    joined in one stream, so each part holds about as many bytes, and the same files every epoch
-    (an epoch ends for everyone when the smallest part runs out; a part 10x larger than another
-    would otherwise be 90% unread, every epoch). Reordering the files before loading would not be
-    enough: `split_dataset_by_node` deals the shards after the per-epoch shard shuffle, so a rank's
-    files change every epoch. Shards of unknown size (remote files, in-memory tables) are dealt by
-    `split_dataset_by_node`.
+    Every topology reads the stream as its single shards joined (`single_shards`), so a skip or take
+    applied to the whole stream (data.text) covers the same texts on 1, 2 or N processes: the first
+    k_i texts of shard i, with `datasets`' own division of the count over the shards. Applied to the
+    stream as one, it would cover the first texts in order on one process and the first of each file
+    on several (docs/data.md, "Which texts a stream holds out").
 
-    Not `split_dataset_by_node` in the uneven case: its example split is applied to the end of the
-    pipeline, after `map`, so every rank would tokenize and pack every text. Filtering by position
-    here, before the shuffle buffer and `map`, is a partition because every rank reads the same texts
-    in the same (seeded) shard order, and with the same number of DataLoader workers, the same shards
-    per worker.
+    Whole shards: the rank's shards (local files picked by `balance_shards`, so each part holds about
+    as many bytes; others dealt by position) are joined in one stream, the same shards every epoch (an
+    epoch ends for everyone when the smallest part runs out; a part 10x larger than another would
+    otherwise be 90% unread, every epoch). Not `split_dataset_by_node`: it deals the shards after the
+    per-epoch shard shuffle, so a rank's files would change every epoch, and it divides skip/take
+    counts by rank, not by shard.
+
+    Every n-th text in the uneven case, not `split_dataset_by_node`'s example split: that is applied
+    to the end of the pipeline, after `map`, so every rank would tokenize and pack every text.
+    Filtering by position here, before the shuffle buffer and `map`, is a partition because every
+    rank reads the same texts in the same (seeded) shard order, and with the same number of
+    DataLoader workers, the same shards per worker.
     """
+    parts = single_shards(ds)
+    if world_size > 1 and ds.num_shards % world_size == 0:
+        mine = plan_stream_split(ds, world_size).shards or naive_shards(ds.num_shards, world_size)
+        return concatenate_datasets([parts[i] for i in mine[rank]])
+    whole = concatenate_datasets(parts)
     if world_size == 1:
-        return ds
-    if ds.num_shards % world_size == 0:
-        split = plan_stream_split(ds, world_size)
-        if split.shards is None:
-            return split_dataset_by_node(ds, rank=rank, world_size=world_size)
-        # one single-file shard each, joined: skip/take wrappers split their count per file alike in
-        # the training and the held-out stream, so the two stay disjoint
-        return concatenate_datasets([ds.shard(num_shards=ds.num_shards, index=i, contiguous=True)
-                                     for i in split.shards[rank]])
-    return ds.filter(_is_mine, with_indices=True, fn_kwargs={"rank": rank, "world_size": world_size})
+        return whole
+    return whole.filter(_is_mine, with_indices=True, fn_kwargs={"rank": rank, "world_size": world_size})
 
 
 class PackedStream(torch.utils.data.IterableDataset):
