@@ -47,3 +47,49 @@ def test_a_stream_holds_out_and_trains_on_the_same_texts_on_every_topology(tmp_p
         assert len(evaluated) == len(set(evaluated)) and len(seen) == len(set(seen)), world  # no text twice
         assert set(evaluated) == per_file(share), world
         assert set(seen) == per_file(trained, start=share), world
+
+
+def test_an_epoch_end_counts_the_texts_of_the_blocks_yielded_not_of_the_chunk_loaded(tmp_path: Path,
+                                                                                     tiny_model: Path) -> None:
+    # one file over 2 processes: one text in 2 each, one chunk of all of them; rank 1 stops at a fifth of
+    # its blocks, as when rank 0's part ran out there. Counting the chunk on loading said "0% unread".
+    from transformers import AutoTokenizer
+
+    from mlm_ddp.data.feed import RankRead, StreamEpochEnd, unread_fractions
+    from mlm_ddp.data.rank import rank_dataset
+    from tests.conftest import corpus_paragraphs
+
+    path = tmp_path / "train.txt"
+    path.write_text("\n".join(corpus_paragraphs()[:100]) + "\n")
+    cfg = DataConfig(train_file=str(path), streaming=True, validation_split_percentage=0, max_seq_length=32,
+                     shuffle_buffer_size=100)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    train, _ = load_text(cfg, seed=0)
+    parts = [rank_dataset(train, tokenizer, cfg, rank, 2, shuffle_seed=1) for rank in (0, 1)]
+    assert [p.split for p in parts] == ["texts", "texts"]
+    for part in parts:  # whole parts: 50 texts each, every text's bytes counted
+        part.set_epoch(0)
+        assert sum(1 for _ in part) and part.texts_read == 50
+    assert parts[0].text_bytes + parts[1].text_bytes == len(path.read_text().replace("\n", "").encode())
+    straight = []
+    parts[1].set_epoch(0)
+    for _ in parts[1]:
+        straight.append((parts[1].texts_read, parts[1].text_bytes))
+    read = len(straight) // 5
+    texts, text_bytes = straight[read - 1]
+    assert texts == 50 * read // len(straight), (texts, read, len(straight))  # a fifth of the chunk's texts
+    reads = [RankRead(read, True, parts[0].texts_read, parts[0].blocks_read, parts[0].text_bytes),
+             RankRead(read, False, texts, read, text_bytes)]
+    unread = unread_fractions(reads, "texts")[1]
+    assert unread == 1 - texts / 50 and abs(unread - 0.8) < 0.03, unread
+    assert (f"rank 1 read {read} micro-batches, {texts} texts, {read} blocks, about {unread:.0%} of its part "
+            "unread") in StreamEpochEnd(0, read, reads, "texts").describe(dropped_so_far=0)
+    # the counts are no part of where a resume starts: resumed half-way, it counts as the straight read did
+    stopped = rank_dataset(train, tokenizer, cfg, 1, 2, shuffle_seed=1)
+    stopped.set_epoch(0)
+    for _ in zip(range(read // 2), stopped, strict=False):
+        pass
+    resumed = rank_dataset(train, tokenizer, cfg, 1, 2, shuffle_seed=1)
+    resumed.load_state_dict(stopped.state_dict())
+    again = [(resumed.texts_read, resumed.text_bytes) for _ in resumed]
+    assert again == straight[read // 2:]

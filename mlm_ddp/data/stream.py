@@ -219,6 +219,8 @@ class PackedStream(torch.utils.data.IterableDataset):
     It also counts what it read in the current epoch (`texts_read`, `text_bytes`, `blocks_read`;
     kept in the position, so a resumed epoch counts on), which `TrainFeed` reports at the epoch end
     beside `split` (how the raw stream was split) and `part_bytes` (this rank's file bytes, if known).
+    A chunk's texts and bytes are counted in proportion to its blocks yielded (its last block: all
+    of them); the position keeps the counts before the chunk, which a resume re-reads.
     """
 
     def __init__(self, texts: IterableDataset, tokenizer: Any, cfg: DataConfig, seed: int,
@@ -274,13 +276,19 @@ class PackedStream(torch.utils.data.IterableDataset):
                 return
             if resuming:
                 self.reread_texts, resuming = len(texts), False
-            self.texts_read += len(texts)
-            self.text_bytes += sum(len(t.encode()) for t in texts if isinstance(t, str))
+            chunk_bytes = sum(len(t.encode()) for t in texts if isinstance(t, str))
             order = np.random.default_rng([self.seed, self.epoch, chunk]).permutation(len(texts))
             packed = tokenize_and_pack([texts[i] for i in order], self.tokenizer, self.cfg.max_seq_length,
                                        with_word_continues=self.cfg.whole_word_mask,
                                        line_by_line=self.cfg.line_by_line)
-            for k in range(skip, len(packed["input_ids"])):
+            n_blocks = len(packed["input_ids"])
+            if not n_blocks:  # texts that tokenize to nothing: read all the same
+                self.texts_read, self.text_bytes = texts_before + len(texts), bytes_before + chunk_bytes
+            for k in range(skip, n_blocks):
+                # the chunk counted as its blocks are yielded, in proportion: counting a whole chunk
+                # (up to --shuffle_buffer_size texts) on loading made a part look read before it was
+                self.texts_read = texts_before + len(texts) * (k + 1) // n_blocks
+                self.text_bytes = bytes_before + chunk_bytes * (k + 1) // n_blocks
                 self.blocks_read += 1
                 self.position = {"epoch": self.epoch, "source": source, "chunk": chunk, "blocks": k + 1,
                                  "texts": texts_before, "bytes": bytes_before, "epoch_blocks": self.blocks_read}
