@@ -93,3 +93,33 @@ def test_an_epoch_end_counts_the_texts_of_the_blocks_yielded_not_of_the_chunk_lo
     resumed.load_state_dict(stopped.state_dict())
     again = [(resumed.texts_read, resumed.text_bytes) for _ in resumed]
     assert again == straight[read // 2:]
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_file_left_no_text_to_train_on_is_one_line_naming_it_and_the_flag(tmp_path: Path, tiny_model: Path,
+                                                                           world: int) -> None:
+    # the audit's case: files of 10 and 50 lines, 20 texts held out, the first 10 of each: the first file is
+    # all held out. On 2 processes it was rank 0's whole part, and joining it raised a bare StopIteration.
+    from transformers import AutoTokenizer
+
+    from mlm_ddp.data.rank import rank_dataset
+    from mlm_ddp.errors import BadInput
+
+    folder = text_files(tmp_path / "files", [10, 50])
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    for flags, says in (({"max_eval_samples": 20}, "it holds 10 texts or fewer, and the first 10 texts of each file "
+                                                   "are held out (--max_eval_samples 20, divided over 2 files)"),
+                        ({"validation_split_percentage": 0, "max_train_samples": 1},
+                         "--max_train_samples 1 is divided over the stream's 2 files and leaves it none")):
+        cfg = DataConfig(dataset_name=str(folder), streaming=True, **flags)
+        train, _ = load_text(cfg, seed=0)
+        empty = folder / ("train-00000-of-00002.txt" if "max_eval_samples" in flags else "train-00001-of-00002.txt")
+        refused = 0
+        for rank in range(world):
+            try:
+                rank_dataset(train, tokenizer, cfg, rank, world, shuffle_seed=1)
+            except BadInput as err:
+                assert str(err).startswith(f"--streaming: file {empty} gives no text to train on: {says}"), err
+                assert "\n" not in str(err)
+                refused += 1
+        assert refused == 1  # the rank that reads that file (every rank, where all read every file)

@@ -22,9 +22,17 @@ from mlm_ddp.data.masking import EVAL_SPLIT, TRAIN_SPLIT, MaskingCollator
 from mlm_ddp.data.mixed_stream import MixedStream
 from mlm_ddp.data.mixture import MixedBlocks, Mixture, mixture_loader
 from mlm_ddp.data.pack import describe_sequences, pack_stats, tokenize_dataset
-from mlm_ddp.data.stream import PackedStream, is_stream, plan_stream_split, shard_stream, stream_sharding
+from mlm_ddp.data.stream import (
+    PackedStream,
+    check_training_shards,
+    is_stream,
+    plan_stream_split,
+    shard_stream,
+    stream_sharding,
+)
 from mlm_ddp.data.surface import character_table
 from mlm_ddp.data.text import AnyDataset
+from mlm_ddp.errors import BadInput
 
 
 def _first_sequences(ds: Dataset, limit: int | None) -> Dataset:
@@ -38,6 +46,8 @@ def rank_dataset(raw: AnyDataset, tokenizer: Any, cfg: DataConfig, rank: int, wo
     data, i.e. shuffled), or the whole map-style split (which the samplers shard, so that every
     rank shares the one cached tokenization)."""
     if isinstance(raw, IterableDataset):
+        if shuffle_seed is not None:
+            check_training_shards(raw, rank, world_size, cfg)
         split = plan_stream_split(raw, world_size)
         part = shard_stream(raw, rank, world_size)
         if shuffle_seed is not None:
@@ -79,24 +89,28 @@ def rank_data(data: DataConfig, training: TrainingConfig, tokenizer: Any, raw_tr
     """Tokenize and pack (the main process first, the others then load its cache), and this rank's
     loaders with their masking collators; `layout_batch`: see `train_loader`."""
     rank, world = accelerator.process_index, accelerator.num_processes
+    refused: BadInput | None = None
     with patient_main_process_first(accelerator, preprocessing_timeout):
         def part(raw: AnyDataset, config: DataConfig) -> Any:
             return rank_dataset(raw, tokenizer, config, rank, world, shuffle_seed=training.seed)
 
-        if isinstance(raw_train, Mixture) and data.streaming:  # each source this rank's part of its stream
-            train_ds: Any = MixedStream([part(raw, config) for raw, config in zip(raw_train.raw, raw_train.configs,
-                                                                                 strict=True)],
-                                        raw_train.names, raw_train.shares, training.per_device_train_batch_size,
-                                        rank, world)
-        elif isinstance(raw_train, Mixture):  # each source packed on its own, then mixed by global block (data.mixture)
-            train_ds = MixedBlocks(raw_train.sources(part), training.seed)
-        else:
-            train_ds = rank_dataset(raw_train, tokenizer, data, rank, world, shuffle_seed=training.seed)
+        try:
+            train_ds = train_dataset(data, training, raw_train, part, rank, world)
+        except BadInput as err:  # said once every rank knows, below: a rank that went on would wait for it
+            refused = err
+        if refused is not None:
+            raw_eval = None
         if isinstance(raw_eval, dict):  # several held-out sources: each tokenized, packed and sharded on its
             # own, so that its blocks and masks are those it has as the only --validation_file
             eval_ds = {name: rank_dataset(raw, tokenizer, data, rank, world) for name, raw in raw_eval.items()}
         else:
             eval_ds = None if raw_eval is None else rank_dataset(raw_eval, tokenizer, data, rank, world)
+    # a stream's shards are checked by the ranks that read them (stream.check_training_shards): all agree
+    if data.streaming and world > 1 and any_rank(accelerator, refused is not None):
+        raise refused or BadInput("--streaming: another rank's part of the training stream is refused; its line "
+                                  "says why")
+    if refused is not None:
+        raise refused
     common = dict(whole_word_mask=data.whole_word_mask, seed=training.seed,
                   pad_to=data.max_seq_length if data.pad_to_max_length else 0)
     train_collator = MaskingCollator.for_tokenizer(
@@ -145,6 +159,17 @@ def rank_data(data: DataConfig, training: TrainingConfig, tokenizer: Any, raw_tr
                     f"{describe_sequences(pack_stats(train_ds, seq), data)}, {sampler.batches_per_epoch:g} "
                     f"micro-batches per epoch per rank, {sampler.padding} sequences repeated to fill the last "
                     f"global batch{layout}; rank r takes slice r of every global batch")
+
+
+def train_dataset(data: DataConfig, training: TrainingConfig, raw_train: AnyDataset, part: Callable[..., Any],
+                  rank: int, world: int) -> Any:
+    """This rank's training data: `part(raw, config)` of one source, or of each source of a mixture."""
+    if isinstance(raw_train, Mixture) and data.streaming:  # each source this rank's part of its stream
+        return MixedStream([part(raw, config) for raw, config in zip(raw_train.raw, raw_train.configs, strict=True)],
+                           raw_train.names, raw_train.shares, training.per_device_train_batch_size, rank, world)
+    if isinstance(raw_train, Mixture):  # each source packed on its own, then mixed by global block (data.mixture)
+        return MixedBlocks(raw_train.sources(part), training.seed)
+    return part(raw_train, data)
 
 
 def train_feed(data: RankData, accumulation: int, state: Any, stream_state: dict | None, accelerator: Any,

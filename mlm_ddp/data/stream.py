@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 from datasets import IterableDataset, concatenate_datasets
+from datasets.iterable_dataset import SkipExamplesIterable, TakeExamplesIterable
 
 from mlm_ddp.config import DataConfig
 from mlm_ddp.data.pack import tokenize_and_pack
@@ -200,6 +201,47 @@ def shard_stream(ds: IterableDataset, rank: int, world_size: int) -> IterableDat
     if world_size == 1:
         return whole
     return whole.filter(_is_mine, with_indices=True, fn_kwargs={"rank": rank, "world_size": world_size})
+
+
+def _cuts(part: IterableDataset) -> tuple[int, int | None]:
+    """(texts skipped, texts taken; None: no take) of one shard of a stream (`single_shards`)."""
+    skipped, taken = 0, None
+    ex_iterable: Any = part._ex_iterable
+    while ex_iterable is not None:
+        if isinstance(ex_iterable, SkipExamplesIterable):
+            skipped += ex_iterable.n
+        elif isinstance(ex_iterable, TakeExamplesIterable):
+            taken = ex_iterable.n if taken is None else min(taken, ex_iterable.n)
+        ex_iterable = getattr(ex_iterable, "ex_iterable", None)
+    return skipped, taken
+
+
+def check_training_shards(ds: IterableDataset, rank: int, world_size: int, cfg: DataConfig) -> None:
+    """Refuse a training stream with a shard that gives no text (the held-out share or --max_train_samples,
+    divided over the shards, left it none), naming the shard's file and the flag to change.
+
+    A rank whose part holds only such shards has nothing to train on (and joining an empty shard once
+    ended the run with a bare StopIteration); a shard emptied on one topology is emptied on every one,
+    so it is refused on every one. Each rank looks at the shards it reads anyway (all of them, or its
+    own files): the first text of each, past its held-out share.
+    """
+    files = _files_of(ds)
+    shards = plan_stream_split(ds, world_size).shards  # None: every rank reads every shard
+    mine = range(ds.num_shards) if shards is None else shards[rank]
+    parts = single_shards(ds)
+    for index in mine:
+        if next(iter(parts[index]), None) is not None:
+            continue
+        where = f"file {files[index]}" if files else f"shard {index} of {ds.num_shards}"
+        skipped, taken = _cuts(parts[index])
+        if taken == 0:
+            raise BadInput(f"--streaming: {where} gives no text to train on: --max_train_samples "
+                           f"{cfg.max_train_samples} is divided over the stream's {ds.num_shards} files and leaves "
+                           f"it none; give --max_train_samples {ds.num_shards} or more")
+        raise BadInput(f"--streaming: {where} gives no text to train on: it holds {skipped} texts or fewer, and "
+                       f"the first {skipped} texts of each file are held out (--max_eval_samples "
+                       f"{cfg.max_eval_samples or 'default 1000'}, divided over {ds.num_shards} files); lower "
+                       "--max_eval_samples, give a --validation_file, or join the small files")
 
 
 class PackedStream(torch.utils.data.IterableDataset):
