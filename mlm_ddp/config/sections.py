@@ -228,12 +228,14 @@ class DataConfig:
     )
     max_train_samples: int | None = _doc(
         "Train on at most this many sequences (packed blocks, or lines with --line_by_line), as "
-        "run_mlm.py counts them; with --streaming, this many raw texts.",
+        "run_mlm.py counts them; with --streaming, this many raw texts, the first of each file past its held-out "
+        "share (docs/data.md).",
         default=None,
     )
     max_eval_samples: int | None = _doc(
         "Evaluate on at most this many sequences (as --max_train_samples counts them); with --streaming, "
-        "this many raw texts (default 1000). Several --validation_file sources: this many of each.",
+        "this many raw texts (default 1000), the first of each file (docs/data.md). Several --validation_file "
+        "sources: this many of each.",
         default=None,
     )
     preprocessing_num_workers: int | None = _doc("Processes for tokenization (map-style).", default=None)
@@ -242,7 +244,8 @@ class DataConfig:
         "each prefetching 2 batches). Default: 2 on a CUDA device with map-style or prepared data and at "
         "least 3 CPUs for the process (there the host's collation would set the GPU step's pace: "
         "docs/gpu.md), else 0 (a CPU: the workers would take the cores the step computes on; a stream: "
-        "its position is exact only in the training process). Any count trains the same steps.",
+        "its position is exact only in the training process). With map-style or prepared data any count trains "
+        "the same steps; not a stream, whose workers split its files among them (other steps per count).",
         default=None,
     )
 
