@@ -123,3 +123,33 @@ def test_a_file_left_no_text_to_train_on_is_one_line_naming_it_and_the_flag(tmp_
                 assert "\n" not in str(err)
                 refused += 1
         assert refused == 1  # the rank that reads that file (every rank, where all read every file)
+
+
+def test_a_stream_checkpoint_of_the_earlier_layout_goes_on_at_the_next_epoch(tmp_path: Path, tiny_model: Path,
+                                                                             caplog: pytest.LogCaptureFixture) -> None:
+    # before the rule above, one process read a stream as one: its saved datasets state does not load into
+    # the files read one by one (a KeyError deep in datasets, measured on a real checkpoint of that version).
+    # Such a position has no `layout`: the run goes on at the next epoch, as an elastic resume does, and says so
+    import json
+    import shutil
+
+    from mlm_ddp.config import parse_args
+    from mlm_ddp.train import train
+    from tests.conftest import read_metrics
+
+    folder = text_files(tmp_path / "files", [40, 60])
+    common = ["--model_name_or_path", str(tiny_model), "--dataset_name", str(folder), "--streaming",
+              "--shuffle_buffer_size", "8", "--max_seq_length", "32", "--per_device_train_batch_size", "4",
+              "--max_eval_samples", "8", "--max_train_steps", "6", "--checkpointing_steps", "3", "--mixed_precision",
+              "no", "--peak_tflops", "0.1", "--num_warmup_steps", "0"]
+    train(parse_args([*common, "--output_dir", str(tmp_path / "first")]))
+    older = tmp_path / "older" / "checkpoints" / "step-0000003"
+    shutil.copytree(tmp_path / "first" / "checkpoints" / "step-0000003", older)
+    state = json.loads((older / "data_state_0.json").read_text())
+    assert state["layout"] == 2 and state["source"] is not None
+    (older / "data_state_0.json").write_text(json.dumps({k: v for k, v in state.items() if k != "layout"}))
+    with caplog.at_level("INFO"):
+        train(parse_args([*common, "--output_dir", str(tmp_path / "older"), "--resume_from_checkpoint", "latest"]))
+    assert "step-0000003 was written by an earlier mlm_ddp, which read a stream as one" in caplog.text
+    assert "training goes on at the start of epoch 1; the rest of epoch 0 is skipped" in caplog.text
+    assert all(r["epoch"] >= 1 for r in read_metrics(tmp_path / "older") if r.get("step", 0) > 3 and "loss" in r)

@@ -26,7 +26,7 @@ from mlm_ddp.data.text import AnyDataset, check_files, data_notes, embedded_corp
 from mlm_ddp.data.prepared import load_prepared
 from mlm_ddp.data.pack import tokenize_and_pack
 from mlm_ddp.data.mixture import load_data, source_changes, sources_read_line, uncounted_note
-from mlm_ddp.data.stream import check_stream_resume, shard_sizes
+from mlm_ddp.data.stream import check_stream_resume, shard_sizes, stale_stream_position
 from mlm_ddp.data.feed import FeedPosition, TrainFeed
 from mlm_ddp.data.rank import RankData, rank_data, to_device
 # isort: on
@@ -47,6 +47,7 @@ __all__ = [
     "tokenize_and_pack",
     "check_stream_resume",
     "shard_sizes",
+    "stale_stream_position",
     "FeedPosition",
     "TrainFeed",
     "RankData",

@@ -31,6 +31,10 @@ from mlm_ddp.errors import BadInput
 # the first datasets release whose one-text shuffle buffer holds nothing between reads (PackedStream);
 # pyproject's floor, which tests/test_data.py checks against this
 STREAM_RESUME_DATASETS = (5, 1)
+# how a saved stream position names its next text: 2 since every topology reads a stream as its files one
+# by one (`single_shards`); 1 (no key) before, when one process read it as one stream, whose datasets state
+# does not load into the files' (a KeyError deep inside datasets)
+STREAM_LAYOUT = 2
 
 
 def stream_sharding(num_shards: int, world_size: int) -> str:
@@ -333,9 +337,18 @@ class PackedStream(torch.utils.data.IterableDataset):
                 self.text_bytes = bytes_before + chunk_bytes * (k + 1) // n_blocks
                 self.blocks_read += 1
                 self.position = {"epoch": self.epoch, "source": source, "chunk": chunk, "blocks": k + 1,
-                                 "texts": texts_before, "bytes": bytes_before, "epoch_blocks": self.blocks_read}
+                                 "texts": texts_before, "bytes": bytes_before, "epoch_blocks": self.blocks_read,
+                                 "layout": STREAM_LAYOUT}
                 yield {key: values[k] for key, values in packed.items()}
             chunk, skip = chunk + 1, 0
+
+
+def stale_stream_position(state: dict | None) -> bool:
+    """Whether a saved stream position (a PackedStream's, or a MixedStream's of them) was written in an
+    earlier layout (STREAM_LAYOUT), so that it names no text of this one; a position that has read nothing
+    of its epoch yet names none and is never stale."""
+    parts = [] if state is None else state.get("parts", [state])
+    return any(part.get("source") is not None and part.get("layout", 1) != STREAM_LAYOUT for part in parts)
 
 
 def check_stream_resume(datasets_version: str) -> None:

@@ -84,11 +84,13 @@ class Start:
     accepted_changes: dict = field(default_factory=dict)  # settings the checkpoint was written with that change
     written_by: int = 0  # processes that wrote resume_from (this run's when starting afresh)
     note: str | None = None  # what a stream resumed on another number of processes skips; what older counts hold
+    stale_stream: bool = False  # the checkpoint's stream positions are of an earlier layout (data.stream)
 
     @property
     def elastic(self) -> bool:
-        """Resuming a checkpoint that another number of processes wrote."""
-        return self.written_by != self.world_size
+        """Resuming a checkpoint whose saved stream positions this run does not use: another number of
+        processes wrote it, or an earlier version in another layout; its stream goes on at the next epoch."""
+        return self.written_by != self.world_size or self.stale_stream
 
 
 def finished_summary(out: Path) -> dict | None:
@@ -197,11 +199,16 @@ def check_global_batch(path: Path, written: tuple[int, int, int], now: tuple[int
 
 
 def elastic_stream_start(path: Path, state: ckpt.TrainerState, world_size: int,
-                         file_bytes: int | None) -> tuple[ckpt.TrainerState, str]:
+                         file_bytes: int | None, stale: bool = False) -> tuple[ckpt.TrainerState, str]:
     """Where a stream checkpoint of another number of processes resumes: each rank's saved position
     is in its own part of the stream, which another number of processes splits differently, so the
     run goes on at the next epoch's start; returns that state and the log line saying what is skipped
-    (`file_bytes`: the stream's files' size, when they are local files)."""
+    (`file_bytes`: the stream's files' size, when they are local files). So too a checkpoint whose
+    positions are `stale` (data.stream.stale_stream_position: an earlier version's layout)."""
+    written = ("was written by an earlier mlm_ddp, which read a stream as one where this one reads its files one "
+               "by one (docs/data.md, \"Which texts a stream holds out\"): its saved positions name no text here"
+               if stale else f"was written by {state.world_size} process(es) and this run has {world_size}: their "
+               "parts of the stream differ")
     if state.batch_in_epoch == 0:
         return replace(state, world_size=world_size), (
             f"the stream resumes at the start of epoch {state.epoch} on {world_size} process(es) "
@@ -209,8 +216,7 @@ def elastic_stream_start(path: Path, state: ckpt.TrainerState, world_size: int,
     reads = [ckpt.read_data_state(path, rank) or {} for rank in range(state.world_size)]
     blocks = sum(r.get("epoch_blocks", 0) for r in reads)
     texts, text_bytes = sum(r.get("texts", 0) for r in reads), sum(r.get("bytes", 0) for r in reads)
-    line = (f"the stream checkpoint {path.name} was written by {state.world_size} process(es) and this run has "
-            f"{world_size}: their parts of the stream differ, so training goes on at the start of epoch "
+    line = (f"the stream checkpoint {path.name} {written}, so training goes on at the start of epoch "
             f"{state.epoch + 1}; the rest of epoch {state.epoch} is skipped. Its {state.world_size} part(s) had "
             f"trained on {blocks} packed block(s) of it, from {texts} text(s) ({text_bytes / 1e6:.1f} MB) before "
             "each part's current chunk and part of that chunk")
@@ -295,10 +301,11 @@ class RunFolder:
         if own and metrics.exists():
             read_metrics_lines(metrics)  # a damaged line stops every rank here, not rank 0 later
         written_by, note = state.world_size, None
-        if data.streaming and written_by != world_size:
-            state, note = elastic_stream_start(path, state, world_size, stream_bytes())
-        note = mdata.uncounted_note(data, state, changes, written_by != world_size, note)
-        return Start(state, world_size, path, clear_earlier, own, changes, written_by, note)
+        stale = data.streaming and mdata.stale_stream_position(ckpt.read_data_state(path, 0))
+        if data.streaming and (written_by != world_size or stale):
+            state, note = elastic_stream_start(path, state, world_size, stream_bytes(), stale)
+        note = mdata.uncounted_note(data, state, changes, written_by != world_size or stale, note)
+        return Start(state, world_size, path, clear_earlier, own, changes, written_by, note, stale)
 
     def _folder_plan(self) -> FolderPlan:
         """The folder's part of the plan: what to resume from, whether to clear what is there."""
