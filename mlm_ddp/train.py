@@ -205,7 +205,7 @@ def build(cfg: Config, checked: Checked, hooks: Hooks) -> Training:
     every = probing.EveryEval(cfg, accelerator, wait, checked.folder, model, checked.tokenizer, heartbeat.beat)
     evaluator = Evaluator(cfg.run.eval_steps, data.total_steps, accelerator, model, data.eval_loader, heartbeat.beat,
                           mlm_probability=cfg.data.eval_mlm_probability, then=every.at_eval)
-    spikes = LossSpikes(cfg.run.on_loss_spike, cfg.run.loss_spike_factor, cfg.run.loss_spike_window)
+    spikes = LossSpikes.for_run(cfg.run, start.state.spike_history)
     skips = SkippedSteps(cfg.run.on_nonfinite_loss, accelerator, spikes, checkpointer.latest)
     return Training(cfg, checked, accelerator, wait, data, model, optimizer, scheduler, feed, stream_state, log,
                     evaluator, checkpointer, heartbeat, hooks, spikes, skips, every)
@@ -326,7 +326,7 @@ def trainer_state(run: Training, step: int, at: mdata.FeedPosition) -> ckpt.Trai
     sampler = run.feed.sampler
     return ckpt.TrainerState(step, at.epoch, at.batch_in_epoch, run.log.tokens_total(), run.accelerator.num_processes,
                              at.block_in_epoch, None if sampler is None else sampler.layout_batch,
-                             run.checked.precision[0], run.feed.counted(), run.log.window())
+                             run.checked.precision[0], run.feed.counted(), run.log.window(), run.spikes.history())
 
 
 def position_after(run: Training, step: int) -> tuple[ckpt.TrainerState, dict | None]:

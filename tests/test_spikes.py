@@ -90,3 +90,20 @@ def test_rollback_reloads_the_checkpoint_skips_the_spike_and_replays_to_the_same
     straight, rolled = train_losses(no_spike), train_losses(out)
     assert max(rolled.values()) < 1.5 * max(straight.values())
     assert abs(final_eval_loss(out) / final_eval_loss(no_spike) - 1) < harm / 2
+
+
+def test_a_resumed_run_judges_its_first_steps_against_the_losses_the_checkpoint_saved(
+        no_spike: Path, tiny_model: Path, corpus: dict, tmp_path: Path) -> None:
+    """The guard judges once it knows MIN_HISTORY losses: a resume that forgot them would let a spike through
+    in its first steps, where restarts often bring one; the checkpoint carries them."""
+    import shutil
+
+    out = tmp_path / "resumed"
+    shutil.copytree(no_spike / "checkpoints" / f"step-{SAVED:07d}", out / "checkpoints" / f"step-{SAVED:07d}")
+    saved = json.loads((out / "checkpoints" / f"step-{SAVED:07d}" / "trainer_state.json").read_text())
+    assert len(saved["spike_history"]) == SAVED and saved["spike_history"] == [
+        loss for step, loss in sorted(train_losses(no_spike).items()) if step <= SAVED]
+    spike = Hooks(loss_factor=OneSpike(f"{SAVED + 1}:{FACTOR}"))
+    train(parse_args(tiny_args(tiny_model, corpus, out, *COMMON, "--on_loss_spike", "skip",
+                               "--resume_from_checkpoint", "latest")), spike)
+    assert json.loads((out / "summary.json").read_text())["loss_spikes"] == {"skipped": 1, "rolled_back": 0}

@@ -69,6 +69,8 @@ class TrainerState:
     # (loss sum, masked, tokens) of every rank since the last metrics line (--logging_steps > 1), which the first
     # line after a resume adds in; None: older
     log_window: list[float] | None = None
+    # --on_loss_spike: the losses the guard judges against (spikes.LossSpikeGuard); None: no guard, or older
+    spike_history: list[float] | None = None
 
 
 def checkpoints_dir(output_dir: str | Path) -> Path:

@@ -35,8 +35,8 @@ class LossSpikeGuard:
 
     MIN_HISTORY = 10
 
-    def __init__(self, factor: float, window: int) -> None:
-        self.factor, self.history = factor, collections.deque(maxlen=window)
+    def __init__(self, factor: float, window: int, history: list[float] | None = None) -> None:
+        self.factor, self.history = factor, collections.deque(history or [], maxlen=window)
 
     def judge(self, loss: float) -> Spike | None:
         """The spike `loss` is, or None (then it joins the history). A NaN or inf loss is not judged:
@@ -63,11 +63,22 @@ def _slot(at: Any, words: str) -> str:
 class LossSpikes:
     """--on_loss_spike's guard and response; `counts` are the steps skipped and the rollbacks."""
 
-    def __init__(self, mode: str, factor: float, window: int) -> None:
+    def __init__(self, mode: str, factor: float, window: int, history: list[float] | None = None) -> None:
+        """`history`: the accepted losses a checkpoint saved (`history()`), so that a resumed run judges its
+        first steps as the uninterrupted run does; without it the guard judges nothing for MIN_HISTORY steps."""
         self.mode, self.factor = mode, factor
-        self.guard = None if mode == "off" else LossSpikeGuard(factor, window)
+        self.guard = None if mode == "off" else LossSpikeGuard(factor, window, history)
         self.counts = {"skipped": 0, "rolled_back": 0}
         self.spiked_windows: set[tuple] = set()  # positions of windows a rollback skips
+
+    @classmethod
+    def for_run(cls, run: Any, history: list[float] | None) -> LossSpikes:
+        """The run section's --on_loss_spike, --loss_spike_factor and --loss_spike_window."""
+        return cls(run.on_loss_spike, run.loss_spike_factor, run.loss_spike_window, history)
+
+    def history(self) -> list[float] | None:
+        """The guard's accepted losses, for a checkpoint (None: no guard)."""
+        return None if self.guard is None else list(self.guard.history)
 
     def words(self, step: int, spike: Spike) -> str:
         return (f"step {step + 1}: loss {spike.loss:.4f} is {spike.loss / spike.median:.1f}x the median "
@@ -100,6 +111,8 @@ class LossSpikes:
         feed.seek(saved.epoch, saved.batch_in_epoch, saved.block_in_epoch,
                   None if feed.sampler is not None else ckpt.read_data_state(latest, rank), saved.sources)
         log.rewind(saved.step, saved.tokens_seen, saved.log_window)
+        # the losses the checkpoint's run had judged by then: the replayed steps' join them once, not twice
+        self.guard.history = collections.deque(saved.spike_history or [], maxlen=self.guard.history.maxlen)
         self.spiked_windows.add(window_key(at))
         self.counts["rolled_back"] += 1
         logger.warning("%s: rolled back to %s; the step's %d micro-batch(es) from epoch %d, micro-batch %d%s on are "
