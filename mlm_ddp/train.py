@@ -189,7 +189,7 @@ def build(cfg: Config, checked: Checked, hooks: Hooks) -> Training:
                                            functools.partial(collectives.lost_contact, checked.topo), EXIT_FAILED),
                           start=False)
     checkpointer = ckpt.Checkpointer(cfg.run, accelerator, wait, scheduler, cfg.to_yaml(),
-                                     start.state.step if start.resume_from else None, hooks.before_checkpoint_marker,
+                                     start.saved_step, hooks.before_checkpoint_marker,
                                      heartbeat.beat)
     stream_state = checkpointer.resume(start, checked.precision)
     describe_start(cfg, checked.topo, checked.precision, accelerator,

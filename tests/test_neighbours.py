@@ -7,17 +7,19 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import shutil
+import signal
 from pathlib import Path
 
 import pytest
 import torch
 from transformers import AutoModelForMaskedLM
 
-from mlm_ddp.errors import EXIT_BAD_INPUT, BadInput
+from mlm_ddp.errors import EXIT_BAD_INPUT, EXIT_REQUEUE, BadInput
 from mlm_ddp.loop.checkpoint import SAFE_LOADING_TORCH, check_safe_loading
-from mlm_ddp.train import main
+from mlm_ddp.train import Hooks, main
 from tests.conftest import (
     CONFIGS,
     LAUNCH,
@@ -52,6 +54,17 @@ def copy_run(run: Path, to: Path) -> Path:
     return to
 
 
+def stop_in(step: int | None) -> Hooks:
+    """SIGUSR1 to this process at its first beat of `step` (any step: its first beat), as a preemption would."""
+    sent: list[int] = []
+
+    def on_beat(beat) -> None:
+        if not sent and (step is None or beat.step == step):
+            sent.append(beat.step)
+            os.kill(os.getpid(), signal.SIGUSR1)
+    return Hooks(on_beat=on_beat)
+
+
 # --- the output folder, whatever the resume source --------------------------------------------------
 
 
@@ -76,6 +89,19 @@ def test_a_checkpoint_is_continued_in_another_folder_only_if_it_holds_no_run_or_
     own = str(other / "checkpoints" / "step-0000004")
     assert main([*args[:-2], "--resume_from_checkpoint", own, "--overwrite_output_dir"]) == EXIT_BAD_INPUT
     assert "which --overwrite_output_dir would delete" in capsys.readouterr().err
+
+
+def test_a_stop_right_after_resuming_another_runs_checkpoint_saves_it_in_this_folder(
+        finished: Path, tiny_model: Path, corpus: dict, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    args = tiny_args(tiny_model, corpus, out, "--max_train_steps", "4", "--checkpointing_steps", "2", *QUICK)
+    source = str(finished / "checkpoints" / "step-0000002")
+    assert main([*args, "--resume_from_checkpoint", source], stop_in(None)) == EXIT_REQUEUE  # before step 3
+    record = json.loads((out / "stopped.json").read_text())
+    assert record["step"] == 2 and record["checkpoint"] == str(out / "checkpoints" / "step-0000002")
+    assert (out / "checkpoints" / "step-0000002" / "COMPLETE").exists()  # named, so written here
+    assert main([*args, "--resume_from_checkpoint", "auto"]) == 0  # the requeue continues it, not step 0
+    assert train_losses(out) == {s: v for s, v in train_losses(finished).items() if s > 2}
 
 
 def test_auto_starts_over_an_attempt_of_the_same_run_that_saved_nothing(

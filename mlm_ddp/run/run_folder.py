@@ -87,6 +87,12 @@ class Start:
     stale_stream: bool = False  # the checkpoint's stream positions are of an earlier layout (data.stream)
 
     @property
+    def saved_step(self) -> int | None:
+        """The step of the checkpoint already in this run's checkpoints/, where a stop at that step saves none;
+        a checkpoint of another run's folder is not in this one's."""
+        return self.state.step if self.own_checkpoint else None
+
+    @property
     def elastic(self) -> bool:
         """Resuming a checkpoint whose saved stream positions this run does not use: another number of
         processes wrote it, or an earlier version in another layout; its stream goes on at the next epoch."""
