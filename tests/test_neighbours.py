@@ -19,6 +19,7 @@ from transformers import AutoModelForMaskedLM
 
 from mlm_ddp.errors import EXIT_BAD_INPUT, EXIT_REQUEUE, BadInput
 from mlm_ddp.loop.checkpoint import SAFE_LOADING_TORCH, check_safe_loading
+from mlm_ddp.run.report import facts, read_runs
 from mlm_ddp.train import Hooks, main
 from tests.conftest import (
     CONFIGS,
@@ -102,6 +103,31 @@ def test_a_stop_right_after_resuming_another_runs_checkpoint_saves_it_in_this_fo
     assert (out / "checkpoints" / "step-0000002" / "COMPLETE").exists()  # named, so written here
     assert main([*args, "--resume_from_checkpoint", "auto"]) == 0  # the requeue continues it, not step 0
     assert train_losses(out) == {s: v for s, v in train_losses(finished).items() if s > 2}
+
+
+def test_a_finished_run_trained_further_is_unfinished_until_it_ends(
+        finished: Path, tiny_model: Path, corpus: dict, tmp_path: Path) -> None:
+    out = copy_run(finished, tmp_path / "run")
+    args = tiny_args(tiny_model, corpus, out, "--max_train_steps", "6", "--checkpointing_steps", "2", *QUICK,
+                     "--allow_lr_jump")
+    assert main([*args, "--resume_from_checkpoint", "latest"], stop_in(6)) == EXIT_REQUEUE  # preempted after step 5
+    assert not (out / "summary.json").exists()  # no longer finished: its summary kept aside, not lost
+    assert json.loads((out / "previous_summary.json").read_text())["steps"] == 4
+    assert facts(read_runs([out])[0])["status"] == "stopped on signal SIGUSR1 at step 5"
+    assert main([*args, "--resume_from_checkpoint", "auto"]) == 0  # the requeue trains on, to step 6
+    assert json.loads((out / "summary.json").read_text())["steps"] == 6
+    assert sorted(train_losses(out)) == list(range(1, 7))
+
+
+def test_a_finished_run_resumed_at_its_end_has_nothing_to_do(finished: Path, tiny_model: Path, corpus: dict,
+                                                              tmp_path: Path, capsys) -> None:
+    out = copy_run(finished, tmp_path / "run")
+    before = snapshot(out)
+    assert main(tiny_args(tiny_model, corpus, out, "--max_train_steps", "4", "--checkpointing_steps", "2", *QUICK,
+                          "--resume_from_checkpoint", "latest")) == 0
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines[-1].startswith(f"mlm_ddp.train: --output_dir {out} holds a finished run: nothing to do"), lines
+    assert snapshot(out) == before  # summary.json, final/ and its card as the run left them
 
 
 def test_auto_starts_over_an_attempt_of_the_same_run_that_saved_nothing(

@@ -4,8 +4,8 @@ another run's outputs unasked), and from which checkpoint, with which counters, 
 run passes on; `prepare` is the run's first write.
 
 Also what the run writes at its top level: `config.yaml`, `stopped.json`, `summary.json`, `final/`,
-`report.html`. Checkpoint files (`checkpoints/`: write, validate, rotate, restore) are
-`checkpoint.py`'s; metrics and logs `run_log.py`'s.
+`report.html` (whether the run there finished: `finished.py`). Checkpoint files (`checkpoints/`: write,
+validate, rotate, restore) are `checkpoint.py`'s; metrics and logs `run_log.py`'s.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 import datasets
-import yaml
 from accelerate import Accelerator
 from accelerate.logging import get_logger
 
@@ -34,16 +33,23 @@ from mlm_ddp.loop import checkpoint as ckpt
 from mlm_ddp.loop.evaluation import HELD_OUT
 from mlm_ddp.model.loading import inner_state_dict
 from mlm_ddp.run import st_files
+from mlm_ddp.run.finished import (
+    PREVIOUS_SUMMARY,
+    SUMMARY_FILE,
+    end_if_finished,
+    finished_summary,
+    saved_config,
+    set_aside,
+)
 from mlm_ddp.run.report import write_report
 from mlm_ddp.run.run_log import read_metrics_lines
 
 logger = get_logger(__name__)
 STOPPED_FILE = "stopped.json"  # why a run stopped early; torchrun turns every worker exit code into 1
-SUMMARY_FILE = "summary.json"
 # everything a run writes into its folder: what --overwrite_output_dir removes
 BEST_PROBE = "best_probe"  # --probe_every_eval: the model of the best downstream probe score (probing.py)
-RUN_OUTPUTS = ("config.yaml", "metrics.jsonl", SUMMARY_FILE, "final", "checkpoints", "logs", STOPPED_FILE,
-               "report.html", "report_plots", BEST_PROBE, "probe_before.json", flight.FOLDER)
+RUN_OUTPUTS = ("config.yaml", "metrics.jsonl", SUMMARY_FILE, PREVIOUS_SUMMARY, "final", "checkpoints", "logs",
+               STOPPED_FILE, "report.html", "report_plots", BEST_PROBE, "probe_before.json", flight.FOLDER)
 
 
 # Settings that may differ on resume: they change what is logged or kept and how long the run goes,
@@ -97,16 +103,6 @@ class Start:
         """Resuming a checkpoint whose saved stream positions this run does not use: another number of
         processes wrote it, or an earlier version in another layout; its stream goes on at the next epoch."""
         return self.written_by != self.world_size or self.stale_stream
-
-
-def finished_summary(out: Path) -> dict | None:
-    """The summary of a run that finished in `out`; None when there is none or it is torn (a run
-    killed while writing it, before it was written atomically, did not finish)."""
-    try:
-        summary = json.loads((out / SUMMARY_FILE).read_text())
-    except (OSError, ValueError):
-        return None
-    return summary if isinstance(summary, dict) else None
 
 
 def resolve_resume(spec: str, output_dir: str | Path) -> Path:
@@ -276,14 +272,11 @@ class RunFolder:
     def _is_same_run(self) -> bool:
         """The folder holds an attempt of this very run: its config.yaml differs only in settings a
         resume may change (or it died before writing one, leaving no metrics, model or summary behind)."""
-        saved_path = self.path / "config.yaml"
-        if not saved_path.is_file():
+        if not (self.path / "config.yaml").is_file():
             return not any((self.path / name).exists() for name in ("metrics.jsonl", SUMMARY_FILE, "final"))
-        try:
-            saved = yaml.safe_load(saved_path.read_text())
-        except (OSError, yaml.YAMLError):
+        if not (saved := saved_config(self.path)):
             return False
-        changes = config_changes(saved if isinstance(saved, dict) else {}, self.cfg.to_dict())
+        changes = config_changes(saved, self.cfg.to_dict())
         return all(key in RESUMABLE_CHANGES for key in changes)
 
     def plan(self, world_size: int, sharded: bool, stream_bytes: Callable[[], int | None]) -> Start:
@@ -388,6 +381,8 @@ class RunFolder:
                 "overwrite its metrics, checkpoints and model: choose an empty --output_dir, or pass "
                 "--overwrite_output_dir to replace that run"
             )
+        if own and not overwrite:
+            end_if_finished(self.cfg, path)  # a finished run resumed at its end: nothing to do, as with auto
         return path, overwrite and bool(earlier), own
 
     def prepare(self, accelerator: Accelerator, wait: MainProcessWait, start: Start) -> None:
@@ -410,6 +405,8 @@ class RunFolder:
         if (line := branch.describe(self.cfg)) is not None:
             logger.info("%s", line)
         if accelerator.is_main_process:
+            if start.own_checkpoint:  # trained further, the run is no longer finished (finished.py)
+                set_aside(out)
             write_atomic(out / "config.yaml", self.cfg.to_yaml())
             flight.make_folder(os.environ)  # NCCL writes its Flight Recorder dumps there on a timeout
             (out / STOPPED_FILE).unlink(missing_ok=True)  # this run continues what stopped
