@@ -48,7 +48,7 @@ from mlm_ddp.run import probing
 from mlm_ddp.run.card import model_card
 from mlm_ddp.run.hub import check_hub, push
 from mlm_ddp.run.run_folder import RunFolder, Start, agree_on_resume
-from mlm_ddp.run.run_log import RunLog, check_trackers, describe_start, utilisation
+from mlm_ddp.run.run_log import RunLog, check_trackers, describe_start, speed_note, utilisation
 
 logger = get_logger(__name__)
 
@@ -69,7 +69,7 @@ class TrainResult:
     steps: int
     tokens_seen: int
     wall_time_s: float
-    tokens_per_s: float
+    tokens_per_s: float | None  # None: no step trained (resumed at its last step)
     eval_before: dict[str, float] | None
     eval_after: dict[str, float] | None
     output_dir: str
@@ -362,17 +362,17 @@ def finish(run: Training, steps: int, started: float, probed_before: dict | None
     """The final model, summary.json, the summary line and the report."""
     accelerator, log, folder = run.accelerator, run.log, run.checked.folder
     tokens_seen = log.tokens_total()
-    card = model_card(run.cfg, steps, tokens_seen, run.evaluator.first, run.evaluator.last,
+    card = model_card(run.cfg, steps, tokens_seen, run.evaluator.first, run.evaluator.at_end(steps),
                       run.checked.model_config, run.scheduler.base_lrs[0])
     run.heartbeat.beat(steps, "final save")
     final = folder.save_final(accelerator, run.wait, run.model, run.checked.tokenizer, card)
     probed = run.every.after_training(log, steps, final, probed_before)
-    tokens_per_s = (tokens_seen - run.start.tokens_seen) / max(log.clock.training_s, 1e-9)
+    tokens_per_s, mfu = log.run_speed(tokens_seen)
     result = TrainResult(
         steps=steps, tokens_seen=tokens_seen, wall_time_s=time.perf_counter() - started, tokens_per_s=tokens_per_s,
         eval_before=run.evaluator.first, eval_after=run.evaluator.last, output_dir=str(folder.path),
         final_dir=str(final), loss_spikes=run.spikes.reported(), skipped_steps=run.skips.reported(),
-        mfu=log.run_mfu(tokens_per_s), probe=probed, sources=run.feed.sources(),
+        mfu=mfu, probe=probed, sources=run.feed.sources(),
     )
     folder.write_summary(accelerator.is_main_process, asdict(result))
     logger.info("%s%s", summary_line(result), branch.closing(run.cfg))
@@ -407,8 +407,7 @@ def train(cfg: Config, hooks: Hooks | None = None) -> TrainResult:
 
 def summary_line(result: TrainResult) -> str:
     line = (f"done: {result.steps} steps, {result.tokens_seen} tokens in {result.wall_time_s:.0f} s "
-            f"({result.tokens_per_s:.0f} tokens/s while training"
-            + (f", MFU {result.mfu:.1%}" if result.mfu is not None else "") + ")")
+            + speed_note(result.tokens_per_s, result.mfu))
     before, after = result.eval_before, result.eval_after
     if before and after:
         line += (f"; eval{masked_note(before, after)} loss {before['loss']:.4f} -> {after['loss']:.4f}, "

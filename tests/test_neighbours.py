@@ -130,6 +130,22 @@ def test_a_finished_run_resumed_at_its_end_has_nothing_to_do(finished: Path, tin
     assert snapshot(out) == before  # summary.json, final/ and its card as the run left them
 
 
+def test_a_run_killed_after_its_last_checkpoint_reports_its_evaluation_and_no_speed(
+        finished: Path, tiny_model: Path, corpus: dict, tmp_path: Path, caplog) -> None:
+    out = copy_run(finished, tmp_path / "run")
+    (out / "summary.json").unlink()  # killed after the checkpoint of its last step, before the summary
+    with caplog.at_level("INFO"):
+        assert main(tiny_args(tiny_model, corpus, out, "--max_train_steps", "4", "--checkpointing_steps", "2",
+                              *QUICK, "--resume_from_checkpoint", "auto")) == 0
+    assert "no step trained: resumed at its last step" in caplog.text
+    done, old = (json.loads((run / "summary.json").read_text()) for run in (out, finished))
+    assert done["steps"] == 4 and done["tokens_per_s"] is None and done["mfu"] is None  # not a speed of 0
+    assert done["eval_after"]["loss"] == pytest.approx(old["eval_after"]["loss"], rel=1e-6)
+    assert "held-out perplexity after training" in (out / "final" / "README.md").read_text()
+    shown = facts(read_runs([out])[0])  # the report: the logged steps' tokens/s, where the summary has none
+    assert shown["status"] == "finished" and shown["tokens/s"] != "-"
+
+
 def test_auto_starts_over_an_attempt_of_the_same_run_that_saved_nothing(
         tiny_model: Path, corpus: dict, tmp_path: Path, capsys, caplog) -> None:
     out = tmp_path / "run"

@@ -168,6 +168,7 @@ class Evaluator:
         self.mlm_probability = mlm_probability  # the loader's masking rate (--eval_mlm_probability), recorded
         self.first: dict[str, float] | None = None  # before training (of the run a resume continues)
         self.last: dict[str, float] | None = None  # the latest evaluation during training
+        self.evaluated_at: int | None = None  # the step of `last`
 
     def before_training(self, step: int, log: EvalLog, start: Any) -> None:
         """The evaluation before training (step 0 of metrics.jsonl); a resumed run takes its own run's,
@@ -194,7 +195,7 @@ class Evaluator:
         if step != self.total_steps and not (self.every and step % self.every == 0):
             return {}
         with clock.paused():  # evaluation is not training time
-            self.last = self.evaluate(step)
+            self.last, self.evaluated_at = self.evaluate(step), step
             more = self.then(step) if self.then is not None else {}
         if not self.last and not more:
             return {}
@@ -203,6 +204,19 @@ class Evaluator:
                         self.last["perplexity"], characters_note(self.last), sources_note(self.last))
         return {**more, "step": step, "epoch": round(epoch, 4), **(record_fields(self.last) if self.last else {})}
 
+
+    def at_end(self, step: int) -> dict[str, float] | None:
+        """The evaluation after training: the last step's, or, where this run trained no step (it resumed a
+        checkpoint at its last step: a run killed after that save, before its summary), the model's now, so
+        that the card and summary.json say how final/ does. Not written to metrics.jsonl: the run that
+        trained the last step wrote its line before that checkpoint."""
+        if self.evaluated_at != step:
+            self.beat(step, "eval")
+            self.last, self.evaluated_at = self.evaluate(step), step
+            if self.last:
+                logger.info("step %d (trained before this resume): eval loss %.4f, perplexity %.2f%s", step,
+                            self.last["loss"], self.last["perplexity"], characters_note(self.last))
+        return self.last
 
     def evaluate(self, step: int) -> dict[str, float] | None:
         """`evaluate_mlm`, with the heartbeat's collectives: under FSDP every forward is one (all of the

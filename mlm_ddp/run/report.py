@@ -287,7 +287,8 @@ def facts(run: Run) -> dict[str, str]:
     steps, perplexities = run.points("perplexity")
     _, tokens = run.points("tokens_seen")
     _, speeds = run.points("tokens_per_s")
-    speed = run.summary["tokens_per_s"] if run.summary else (statistics.median(speeds) if speeds else None)
+    speed = (run.summary or {}).get("tokens_per_s")  # None there: the start that finished trained no step
+    speed = statistics.median(speeds) if speed is None and speeds else speed
     best = min((i for i, p in enumerate(perplexities) if math.isfinite(p)), key=perplexities.__getitem__,
                default=None)
     return {

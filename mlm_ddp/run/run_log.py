@@ -288,6 +288,14 @@ class RunLog:
         self.progress.set_postfix(shown)
         return record
 
+    def run_speed(self, tokens_seen: int) -> tuple[float | None, float | None]:
+        """This run's tokens/s (all ranks, training time only) and MFU; None for both where it trained no
+        step (resumed at its last step): no figure, where 0.0 would read as a run that stalled."""
+        if tokens_seen == self.tokens_before:
+            return None, None
+        tokens_per_s = (tokens_seen - self.tokens_before) / max(self.clock.training_s, 1e-9)
+        return tokens_per_s, self.run_mfu(tokens_per_s)
+
     def run_mfu(self, tokens_per_s: float) -> float | None:
         """The MFU of a whole run that trained `tokens_per_s` (all ranks)."""
         return self._mfu(tokens_per_s, self.run_masked, self.run_tokens)
@@ -360,3 +368,10 @@ class RunLog:
     def end(self) -> None:
         if self.trackers:
             self.accelerator.end_training()
+
+
+def speed_note(tokens_per_s: float | None, mfu: float | None) -> str:
+    """The closing line's speed: tokens/s while training and MFU, or that this start trained no step."""
+    if tokens_per_s is None:
+        return "(no step trained: resumed at its last step)"
+    return f"({tokens_per_s:.0f} tokens/s while training" + (f", MFU {mfu:.1%}" if mfu is not None else "") + ")"
