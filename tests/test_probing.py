@@ -187,3 +187,32 @@ def test_before_must_be_the_model_training_starts_from(tiny_model: Path, corpus:
     with pytest.raises(BadInput, match=f"--probe_train_file with {flags[0]}: the probe's 'before' reads"):
         train(parse_args(probed_args(tiny_model, corpus, out, probe_files, *flags)))
     assert not out.exists()
+
+
+def test_a_resume_from_before_the_best_probe_sets_it_aside_with_the_abandoned_future(
+        tiny_model: Path, corpus: dict, tmp_path: Path) -> None:
+    """best_probe/ chosen after the checkpoint that a resume goes back to is the abandoned future's model: it goes
+    with that future's checkpoints, and the new future's evaluations choose anew. Left in place, it stayed the
+    run's best unless beaten: here the first future's best is at its step 4, and a new future from step 1 that
+    ends at step 3 reported it as its best, a model it never trained."""
+    # labels unrelated to the texts, a high rate: the held-out accuracy moves from one evaluation to the next
+    files = {"train": write(tmp_path / "train.csv", rows(80, seed=1, shuffled=True)),
+             "test": write(tmp_path / "test.csv", rows(100, seed=2, shuffled=True))}
+    out = tmp_path / "run"
+    args = probed_args(tiny_model, corpus, out, files, "--probe_every_eval", "--eval_steps", "1", "--max_train_steps",
+                       "4", "--checkpointing_steps", "1", "--learning_rate", "5e-2", "--report", "false")
+    train(parse_args(args))
+    chosen = json.loads((out / "best_probe" / "probe.json").read_text())["step"]
+    assert chosen >= 3, "the setup must choose a best after step 2 (an evaluation beat the first two)"
+    end = chosen - 1
+    fresh_accelerate_state()
+    train(parse_args([*args, "--max_train_steps", str(end), "--allow_lr_jump", "--resume_from_checkpoint",
+                      str(out / "checkpoints" / "step-0000001")]))
+    aside = out / "checkpoints" / "abandoned-after-step-0000001"
+    assert json.loads((aside / "best_probe" / "probe.json").read_text())["step"] == chosen  # kept, out of the way
+    best = json.loads((out / "summary.json").read_text())["probe"]["best"]
+    heldout = {r["step"]: r["probe_heldout_accuracy"] for r in read_metrics(out) if r.get("probe") == "eval"}
+    assert sorted(heldout) == list(range(1, end + 1))  # step 1's from the common past, then the new future's
+    new = max(v for s, v in heldout.items() if s > 1)
+    assert 1 < best["step"] <= end and best["heldout_accuracy"] == heldout[best["step"]] == new
+    assert json.loads((out / "best_probe" / "probe.json").read_text())["step"] == best["step"]

@@ -20,7 +20,7 @@ import re
 import shutil
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -103,14 +103,15 @@ def partial_checkpoints(output_dir: str | Path) -> list[Path]:
                   if p.is_dir() and _STEP_DIR.match(p.name.removeprefix(".tmp-")) and not is_complete(p))
 
 
-def set_aside_later(output_dir: str | Path, step: int) -> Path | None:
+def set_aside_later(output_dir: str | Path, step: int, also: Sequence[Path] = ()) -> Path | None:
     """Move the complete checkpoints saved after `step` into `checkpoints/abandoned-after-step-N/`.
 
     A run resumed from an older checkpoint of its own folder starts a new future from `step`; the
     checkpoints of the abandoned one must neither be taken for `latest` nor make `--save_total_limit`
-    delete the new saves. They are kept (nothing is deleted unasked), where neither looks.
+    delete the new saves. They are kept (nothing is deleted unasked), where neither looks. `also`: more
+    of the abandoned future's outputs to keep beside them (the caller knows which).
     """
-    later = [p for p in complete_checkpoints(output_dir) if int(p.name.split("-")[1]) > step]
+    later = [p for p in complete_checkpoints(output_dir) if int(p.name.split("-")[1]) > step] + list(also)
     if not later:
         return None
     aside = checkpoints_dir(output_dir) / f"abandoned-after-{step_dir_name(step)}"

@@ -40,11 +40,10 @@ from mlm_ddp.errors import BadInput
 from mlm_ddp.probe.compare import change, describe_change, differences, settings
 from mlm_ddp.probe.config import ProbeConfig
 from mlm_ddp.probe.standalone import ProbeData, check_probe_data, load_probe_data, probe
-from mlm_ddp.run.run_folder import BEST_PROBE, RunFolder, replace_folder
+from mlm_ddp.run.run_folder import BEST_PROBE, BEST_PROBE_FILE, RunFolder, replace_folder
 
 logger = get_logger(__name__)
 FIGURES = ("accuracy", "macro_f1")  # what summary.json, metrics.jsonl and the card carry of each result
-BEST_PROBE_FILE = "probe.json"  # in best_probe/: its step and figures
 HELD_OUT, SPLIT_SEED = 0.2, 0  # --probe_every_eval chooses best_probe/ on this share of the training texts
 BEFORE_FILE = "probe_before.json"  # in the run's folder: the starting model's figures, settings and predictions
 

@@ -48,6 +48,7 @@ logger = get_logger(__name__)
 STOPPED_FILE = "stopped.json"  # why a run stopped early; torchrun turns every worker exit code into 1
 # everything a run writes into its folder: what --overwrite_output_dir removes
 BEST_PROBE = "best_probe"  # --probe_every_eval: the model of the best downstream probe score (probing.py)
+BEST_PROBE_FILE = "probe.json"  # in best_probe/: its step and figures
 RUN_OUTPUTS = ("config.yaml", "metrics.jsonl", SUMMARY_FILE, PREVIOUS_SUMMARY, "final", "checkpoints", "logs",
                STOPPED_FILE, "report.html", "report_plots", BEST_PROBE, "probe_before.json", flight.FOLDER)
 
@@ -410,12 +411,24 @@ class RunFolder:
             write_atomic(out / "config.yaml", self.cfg.to_yaml())
             flight.make_folder(os.environ)  # NCCL writes its Flight Recorder dumps there on a timeout
             (out / STOPPED_FILE).unlink(missing_ok=True)  # this run continues what stopped
-            if start.own_checkpoint and (aside := ckpt.set_aside_later(out, start.state.step)) is not None:
-                logger.warning("resumed from step %d: the later checkpoints of the abandoned run were moved to %s "
-                               "(not resumed from, not rotated)", start.state.step, aside)
+            later = self._later_best(start.state.step) if start.own_checkpoint else []
+            if start.own_checkpoint and (aside := ckpt.set_aside_later(out, start.state.step, later)) is not None:
+                logger.warning("resumed from step %d: the later checkpoints%s of the abandoned run were moved to %s "
+                               "(not resumed from, not rotated)", start.state.step,
+                               f" and {BEST_PROBE}/ (chosen after that step)" if later else "", aside)
         for partial in ckpt.partial_checkpoints(out):
             logger.warning("ignoring %s: an incomplete checkpoint (no %s marker), left by a save that was "
                            "interrupted", partial, ckpt.MARKER)
+
+    def _later_best(self, step: int) -> list[Path]:
+        """best_probe/ where an evaluation after `step` chose it: a model of the future that a resume from `step`
+        abandons. Left in place, it would stay this run's best unless the new future beat it, and be reported
+        (even scored on the test set as final/, at the same step number) for a model this run never trained."""
+        try:
+            chosen = json.loads((self.path / BEST_PROBE / BEST_PROBE_FILE).read_text()).get("step")
+        except (OSError, ValueError, AttributeError):
+            return []
+        return [self.path / BEST_PROBE] if isinstance(chosen, int) and chosen > step else []
 
     def write_stopped(self, is_main: bool, reason: str, step: int, checkpoint: Path) -> None:
         """Why the run stopped early, for the scheduler's logs and the next attempt (main process)."""
