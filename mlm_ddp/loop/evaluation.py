@@ -204,7 +204,6 @@ class Evaluator:
                         self.last["perplexity"], characters_note(self.last), sources_note(self.last))
         return {**more, "step": step, "epoch": round(epoch, 4), **(record_fields(self.last) if self.last else {})}
 
-
     def at_end(self, step: int) -> dict[str, float] | None:
         """The evaluation after training: the last step's, or, where this run trained no step (it resumed a
         checkpoint at its last step: a run killed after that save, before its summary), the model's now, so
