@@ -25,7 +25,7 @@ def files(root: Path) -> dict[str, Path]:
     """The bad inputs of the table, written once per test in its own folder."""
     made = {"folder": root / "texts", "latin1": root / "latin1.txt", "binary": root / "valid.txt",
             "latin1_yaml": root / "r.yaml", "numbers": root / "numbers.jsonl", "file": root / "plain.txt",
-            "task": root / "task.csv"}
+            "task": root / "task.csv", "typed_yaml": root / "typed.yaml"}
     made["folder"].mkdir()
     (made["folder"] / "a.txt").write_text("some words\n")
     made["latin1"].write_bytes("café au lait\nsecond line\n".encode("latin-1") * 20)
@@ -35,6 +35,7 @@ def files(root: Path) -> dict[str, Path]:
     made["numbers"].write_text("".join(json.dumps({"id": i, "text": f"text number {i} of a few words"}) + "\n"
                                        for i in range(40)))
     made["file"].write_text("a user's file\n")
+    made["typed_yaml"].write_text("gradient_accumulation_steps: 2.5\n")  # a count that is not whole
     made["task"].write_text("text,label\n" + "".join(f"text {i},{i % 2}\n" for i in range(20)))  # a probe's task
     return made
 
@@ -90,6 +91,9 @@ CASES: list[tuple[str, str, Callable[..., list[str]], str, str]] = [
     ("binary_validation", "train", lambda m, c, o, f: ["--validation_file", str(f["binary"])],
      "--validation_file", r"not UTF-8 text \(byte 0xff at offset 0\)"),
     ("latin1_config", "train", lambda m, c, o, f: ["--config", str(f["latin1_yaml"])], "--config", "not UTF-8 text"),
+    # a recipe's value of another type: argparse converts only text, so it failed the run after its folder was made
+    ("recipe_wrong_type", "train", lambda m, c, o, f: ["--config", str(f["typed_yaml"])],
+     "typed.yaml: gradient_accumulation_steps", "must be an integer, got 2.5"),
     ("seed_negative", "train", lambda m, c, o, f: ["--seed", "-1"], "--seed", "must be >= 0, got -1"),
     ("adam_beta1", "train", lambda m, c, o, f: ["--adam_beta1", "1.5"], "--adam_beta1", r"must be in \[0, 1\)"),
     ("adam_epsilon", "train", lambda m, c, o, f: ["--adam_epsilon=-1"], "--adam_epsilon", "must be >= 0"),

@@ -4,17 +4,21 @@ the flags winning; written back, resolved, as a valid recipe. `mlm_ddp.config` i
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import difflib
 import re
 import shlex
 import sys
+import types
 import typing
+from argparse import ArgumentTypeError
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 from transformers import HfArgumentParser
+from transformers.hf_argparser import string_to_bool
 
 from mlm_ddp.config.run import RunConfig
 from mlm_ddp.config.sections import DataConfig, ModelConfig
@@ -85,6 +89,88 @@ def _check_choices(section: Any) -> None:
             raise BadInput(f"--{f.name} must be one of {', '.join(map(str, choices))}; got {value!r}")
 
 
+# text fields whose YAML has a natural other form: a list for a comma list, a mapping for key=value pairs, a whole
+# number for a count of steps (the field also takes 'epoch'); the flags give them as text. Each: what it takes.
+COMMA_LISTS = {name: "a comma list or a list of strings" for name in ("report_to", "stop_signals", "fsdp_wrap_classes")}
+KEY_VALUES = {"config_overrides": "'key=value,...' text or a mapping of key: value"}
+STEPS_OR_WORD = {"checkpointing_steps": "a whole number of steps or 'epoch'"}
+SOURCE_LISTS = ("train_file",)  # a list item may be a mapping of path, weight and name (mixture.py checks it)
+_KINDS = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
+
+
+def _shown(value: Any, text: bool) -> str:
+    """A recipe's value as the user wrote it; where text was wanted, what YAML made of an unquoted word."""
+    if isinstance(value, (datetime.date, datetime.datetime)):
+        return f"{value} (YAML reads it as a date: quote it)" if text else str(value)
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return f"{str(value).lower()} (YAML reads yes/no/on/off unquoted as true/false: quote it)" if text \
+            else str(value).lower()
+    return repr(value)
+
+
+def _scalar(value: Any, kind: Any, key: str) -> Any:
+    """One value as a field of type `kind` holds it (ValueError if it cannot be): text converted as its flag's is
+    (YAML reads 5e-5 as text, and a quoted '0.15' is what the flag takes), an int where a float goes."""
+    if typing.get_origin(kind) is Literal:
+        kind = str  # its choices are _check_choices' (the message lists them)
+    if kind is str:
+        if isinstance(value, str):
+            return value
+        if key in COMMA_LISTS and isinstance(value, list) and all(isinstance(v, str) for v in value):
+            return ",".join(value)
+        if key in KEY_VALUES and isinstance(value, dict) and all(
+                isinstance(v, (str, int, float, bool)) for v in value.values()):
+            return ",".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in value.items())
+        if key in STEPS_OR_WORD and isinstance(value, int) and not isinstance(value, bool):
+            return str(value)
+    elif isinstance(value, bool) or value is None:
+        if kind is bool and value is not None:
+            return value
+    elif isinstance(value, str):
+        return string_to_bool(value) if kind is bool else kind(value)
+    elif kind is int and isinstance(value, int) or kind is float and isinstance(value, (int, float)):
+        return kind(value)
+    raise ValueError(value)
+
+
+def _typed(key: str, value: Any, hint: Any, source: str) -> Any:
+    """`value` as the field `key` (annotated `hint`) holds it; BadInput naming the key and the value otherwise."""
+    args = typing.get_args(hint)
+    optional = typing.get_origin(hint) in (typing.Union, types.UnionType) and type(None) in args
+    if optional:
+        if value is None:
+            return None
+        hint = next(a for a in args if a is not type(None))
+    many = typing.get_origin(hint) is list
+    kind = typing.get_args(hint)[0] if many else hint
+    choices = typing.get_args(kind) if typing.get_origin(kind) is Literal else ()
+    wanted = ({**COMMA_LISTS, **KEY_VALUES, **STEPS_OR_WORD}.get(key) or _KINDS.get(kind)
+              or f"one of {', '.join(map(str, choices))}")
+    if many:
+        wanted = f"a list of {wanted.removeprefix('an ').removeprefix('a ')}s"
+    if optional:
+        wanted += " or null"
+    try:
+        if not many:
+            return _scalar(value, kind, key)
+        # one value where a list goes is a list of one, as `--validation_file a` is
+        items = value if isinstance(value, list) else [value]
+        return [item if key in SOURCE_LISTS and isinstance(item, dict) else _scalar(item, kind, key)
+                for item in items]
+    except (ValueError, ArgumentTypeError):
+        raise BadInput(f"{source}: {key} must be {wanted}, got {_shown(value, kind is str or bool(choices))}") from None
+
+
+def check_types(flat: dict[str, Any], source: str) -> dict[str, Any]:
+    """A recipe's (or a config.yaml's) flat values checked against the fields' annotations and brought to their
+    types, before any section is built: argparse converts only a flag's text, so without this an 8.5 batch size
+    or a null learning rate reached the run and failed it after its folder was written."""
+    hints = {name: hint for cls in SECTIONS.values() for name, hint in typing.get_type_hints(cls).items()}
+    return {key: _typed(key, value, hints[key], source) for key, value in flat.items()}
+
+
 def _field_owner() -> dict[str, str]:
     """Flat field name -> section name (names are unique across sections, so flags can be flat)."""
     owner: dict[str, str] = {}
@@ -143,7 +229,7 @@ def load_recipe(path: str | Path) -> dict[str, Any]:
         raise BadInput(f"--config {path}: not UTF-8 text ({err.reason} at byte {err.start}); save it as UTF-8") from err
     except yaml.YAMLError as err:
         raise BadInput(f"--config {path}: not valid YAML: {err}") from err
-    return _flatten_recipe(recipe, str(path))
+    return check_types(_flatten_recipe(recipe, str(path)), str(path))
 
 
 def make_parser() -> HfArgumentParser:
@@ -166,9 +252,10 @@ def make_parser() -> HfArgumentParser:
     return parser
 
 
-def from_dict(values: dict[str, Any]) -> Config:
-    """A Config from flat or nested values, validated (BadInput on a bad or unknown value)."""
-    flat = _flatten_recipe(values, "config")
+def from_dict(values: dict[str, Any], source: str = "config") -> Config:
+    """A Config from flat or nested values (a config.yaml's: `source` names it), validated (BadInput on a bad or
+    unknown value)."""
+    flat = check_types(_flatten_recipe(values, source), source)
     owner = _field_owner()
     sections: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
     for key, value in flat.items():

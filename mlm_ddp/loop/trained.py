@@ -26,7 +26,7 @@ def load_checkpoint_model(path: Path) -> tuple[torch.nn.Module, Any]:
     from safetensors.torch import load_file
     from transformers import AutoModelForMaskedLM
 
-    cfg = from_dict(yaml.safe_load((path / "config.yaml").read_text()))
+    cfg = from_dict(yaml.safe_load((path / "config.yaml").read_text()), str(path / "config.yaml"))
     tokenizer = load_tokenizer(cfg.model)
     model_config = load_model_config(cfg.model, tokenizer)
     if not (path / WEIGHTS_FILE).exists():
