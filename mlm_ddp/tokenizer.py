@@ -48,6 +48,7 @@ from mlm_ddp.config.tree import given
 from mlm_ddp.data import AnyDataset, load_text
 from mlm_ddp.errors import BadInput
 from mlm_ddp.model import vocabulary
+from mlm_ddp.model.tokenizer_files import check_tokenizer_files
 from mlm_ddp.run import st_files
 
 PROG = "mlm_ddp.tokenizer"
@@ -341,6 +342,7 @@ def extend_vocabulary(cfg: ExtendConfig) -> ExtensionResult:
         old = AutoTokenizer.from_pretrained(cfg.extend)
     except (OSError, ValueError) as err:
         raise BadInput(f"--extend {cfg.extend}: no tokenizer loads from it ({str(err).splitlines()[0]})") from None
+    check_tokenizer_files(cfg.extend, old, "extend a folder that holds the model and its tokenizer")
     if not getattr(old, "is_fast", False) or getattr(old, "backend_tokenizer", None) is None:
         raise BadInput(f"--extend {cfg.extend}: its tokenizer ({type(old).__name__}) is not a fast one; extending "
                        "needs a tokenizer.json (convert it: AutoTokenizer.from_pretrained(..., from_slow=True))")

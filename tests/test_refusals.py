@@ -9,6 +9,7 @@ from __future__ import annotations
 import io
 import json
 import re
+import shutil
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -21,11 +22,11 @@ from tests.conftest import tiny_args
 READ_ONLY = Path("/sys/mlm_ddp_refusals")
 
 
-def files(root: Path) -> dict[str, Path]:
+def files(root: Path, model: Path) -> dict[str, Path]:
     """The bad inputs of the table, written once per test in its own folder."""
     made = {"folder": root / "texts", "latin1": root / "latin1.txt", "binary": root / "valid.txt",
             "latin1_yaml": root / "r.yaml", "numbers": root / "numbers.jsonl", "file": root / "plain.txt",
-            "task": root / "task.csv", "typed_yaml": root / "typed.yaml"}
+            "task": root / "task.csv", "typed_yaml": root / "typed.yaml", "no_tokenizer": root / "no_tokenizer"}
     made["folder"].mkdir()
     (made["folder"] / "a.txt").write_text("some words\n")
     made["latin1"].write_bytes("café au lait\nsecond line\n".encode("latin-1") * 20)
@@ -35,6 +36,9 @@ def files(root: Path) -> dict[str, Path]:
     made["numbers"].write_text("".join(json.dumps({"id": i, "text": f"text number {i} of a few words"}) + "\n"
                                        for i in range(40)))
     made["file"].write_text("a user's file\n")
+    made["no_tokenizer"].mkdir()  # the tiny model without its tokenizer's files: transformers 5 builds one of [UNK]
+    for name in ("config.json", "model.safetensors"):
+        shutil.copyfile(model / name, made["no_tokenizer"] / name)
     made["typed_yaml"].write_text("gradient_accumulation_steps: 2.5\n")  # a count that is not whole
     made["task"].write_text("text,label\n" + "".join(f"text {i},{i % 2}\n" for i in range(20)))  # a probe's task
     return made
@@ -73,6 +77,20 @@ CASES: list[tuple[str, str, Callable[..., list[str]], str, str]] = [
      "MODEL", "no such folder"),
     ("missing_predict_model", "predict", lambda m, c, o, f: ["./no/such/model", "a [MASK] b"], "MODEL",
      "no such folder"),
+    # a model folder without its tokenizer's files: transformers 5 gave one of the special tokens only
+    ("prepare_no_tokenizer", "prepare", lambda m, c, o, f: ["--model_name_or_path", str(f["no_tokenizer"]),
+                                                           "--train_file", str(c["train"]), "--output_dir", str(o),
+                                                           "--max_seq_length", "32"],
+     "no_tokenizer", r"has no tokenizer files \(tokenizer.json / vocab.txt\); pass --tokenizer_name"),
+    ("predict_no_tokenizer", "predict", lambda m, c, o, f: [str(f["no_tokenizer"]), "a [MASK] b"], "no_tokenizer",
+     "has no tokenizer files .*; save the model's tokenizer into it"),
+    ("probe_no_tokenizer", "probe", lambda m, c, o, f: [str(f["no_tokenizer"]), "--train_file", str(f["task"]),
+                                                        "--test_file", str(f["task"])],
+     "no_tokenizer", "has no tokenizer files"),
+    ("extend_no_tokenizer", "tokenizer", lambda m, c, o, f: ["--extend", str(f["no_tokenizer"]), "--train_file",
+                                                             str(c["train"]), "--output_dir", str(o),
+                                                             "--num_new_tokens", "5"],
+     "no_tokenizer", "has no tokenizer files"),
     ("numeric_text_column", "train", lambda m, c, o, f: ["--train_file", str(f["numbers"]), "--validation_file",
                                                          str(f["numbers"]), "--text_column", "id"],
      "--text_column", r"column 'id' holds int64 values, not text; pass --text_column with a column of text \(text\)"),
@@ -154,7 +172,7 @@ def test_a_mistake_is_one_line_naming_the_flag_and_nothing_is_written(
         case: str, tool: str, flags: Callable[..., list[str]], flag: str, message: str, tiny_model: Path,
         corpus: dict, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     out = tmp_path / "out"
-    made = files(tmp_path)
+    made = files(tmp_path, tiny_model)
     argv = flags(tiny_model, corpus, out, made)
     if tool in TRAIN_LIKE:
         argv = tiny_args(tiny_model, corpus, out, "--max_train_steps", "2", *argv)

@@ -60,7 +60,7 @@ def load_for_prediction(name: str) -> tuple[torch.nn.Module, Any]:
             raise BadInput(f"{path} is neither a model folder (no config.json) nor a checkpoint folder "
                               f"(no {ckpt.STATE_FILE}); pass a run's final/ or checkpoints/step-N folder")
         model_cfg = ModelConfig(model_name_or_path=name)
-        tokenizer = load_tokenizer(model_cfg)
+        tokenizer = load_tokenizer(model_cfg, fix="save the model's tokenizer into it")
         torch.manual_seed(0)  # a checkpoint without an MLM head gets the same fresh head every time
         model = load_model(model_cfg, load_model_config(model_cfg, tokenizer))
     return model.eval(), tokenizer

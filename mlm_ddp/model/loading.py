@@ -22,6 +22,7 @@ from mlm_ddp.errors import BadInput
 from mlm_ddp.model import compiled, fast_paths
 from mlm_ddp.model.positions import KEYS as POSITION_KEYS
 from mlm_ddp.model.positions import loss_layout
+from mlm_ddp.model.tokenizer_files import check_tokenizer_files
 
 logger = get_logger(__name__)
 # a pretrained encoder whose checkpoint has no MLM head: the head starts from noise (load_model marks it)
@@ -71,8 +72,8 @@ def check_local(name: str, flag: str) -> None:
                        "org/name)")
 
 
-def load_tokenizer(cfg: ModelConfig, needs_word_ids: bool = False) -> Any:
-    """The tokenizer (`needs_word_ids`: whole-word masking, which reads a fast tokenizer's word ids)."""
+def load_tokenizer(cfg: ModelConfig, needs_word_ids: bool = False, fix: str = "pass --tokenizer_name") -> Any:
+    """The tokenizer (`needs_word_ids`: whole-word masking reads word ids; `fix`: said to a folder without one)."""
     name = cfg.tokenizer_name or resolve_model_path(cfg)
     check_local(name, "--tokenizer_name" if cfg.tokenizer_name else "--model_name_or_path")
     try:
@@ -80,6 +81,7 @@ def load_tokenizer(cfg: ModelConfig, needs_word_ids: bool = False) -> Any:
                                                   trust_remote_code=cfg.trust_remote_code)
     except (OSError, ValueError) as err:
         raise BadInput(f"tokenizer {name!r} could not be loaded: {err}") from err
+    check_tokenizer_files(name, tokenizer, "give --tokenizer_name a tokenizer's folder" if cfg.tokenizer_name else fix)
     if needs_word_ids and not getattr(tokenizer, "is_fast", False):
         fix = ("drop --use_slow_tokenizer, or --whole_word_mask" if cfg.use_slow_tokenizer else
                "pass --tokenizer_name with a fast one (a tokenizer.json)")

@@ -30,6 +30,7 @@ from transformers import (
 from mlm_ddp.errors import BadInput, say
 from mlm_ddp.loop import checkpoint as ckpt
 from mlm_ddp.model.loading import _quiet_transformers, load_kwargs, max_positions
+from mlm_ddp.model.tokenizer_files import check_tokenizer_files
 
 POOLING_MODES = ("cls", "max", "mean", "mean_sqrt_len_tokens")  # the ones done here, in sentence-transformers' order
 # sentence-transformers' older Pooling config: one boolean per mode (what all-MiniLM-L6-v2 ships)
@@ -131,6 +132,7 @@ def load_encoder(name: str) -> tuple[PreTrainedModel, Any]:
     except (OSError, ValueError) as err:
         raise BadInput(f"model {name!r} could not be loaded ({type(err).__name__}: {str(err).strip()[:300]}); "
                        "pass a model folder, a run's final/ or checkpoints/step-N folder") from err
+    check_tokenizer_files(name, tokenizer, "save the model's tokenizer into it")
     return model, tokenizer
 
 
