@@ -339,6 +339,7 @@ def planned(model: ModelConfig, data: DataConfig, opts: PrepareConfig, tasks: in
     folder = Path(opts.output_dir)
     if (problem := unwritable(folder)) is not None:  # a read-only place, a file: a traceback at the first write
         raise BadInput(f"--output_dir {folder}: {problem}; choose another --output_dir")
+    outside_the_inputs(folder, data)
     corpus = resolve(data)
     for split, files in corpus.left_out.items():
         say(f"{PROG}: the {split!r} split ({len(files)} file(s)) is left out, as training leaves it out")
@@ -350,6 +351,19 @@ def planned(model: ModelConfig, data: DataConfig, opts: PrepareConfig, tasks: in
     plan = make_plan(data, corpus, tokenizer, opts.seed, tasks)
     fix_plan(folder, plan, opts.overwrite_output_dir)
     return tokenizer, folder, plan
+
+
+def outside_the_inputs(folder: Path, data: DataConfig) -> None:
+    """Refuse an --output_dir that is an input folder or inside one. Not left out of the listing instead: its
+    plan.json and parts would still be read as text by any later reader of that folder (training on it, another
+    prepare, this one's rerun, which then refused, and --overwrite_output_dir removed the finished prepare)."""
+    out = folder.resolve()
+    for flag, given in (("--train_file", data.train_file), ("--validation_file", data.validation_file)):
+        for source in (Path(p) for p in given or []):
+            if source.is_dir() and (out == source.resolve() or source.resolve() in out.parents):
+                where = "is" if out == source.resolve() else "is inside"
+                raise BadInput(f"--output_dir {folder} {where} the {flag} folder {source}, whose files are read as "
+                               "the corpus; choose an --output_dir outside it")
 
 
 def prepare(model: ModelConfig, data: DataConfig, opts: PrepareConfig, task: int, tasks: int) -> dict | None:

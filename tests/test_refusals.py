@@ -147,6 +147,17 @@ CASES: list[tuple[str, str, Callable[..., list[str]], str, str]] = [
                                                       str(f["latin1"]), "--output_dir", str(o), "--max_seq_length",
                                                       "32"],
      "--train_file", r"not UTF-8 text \(byte 0xe9 at offset 3\)"),
+    # prepare's output among its inputs: listed as corpus by the rerun, which failed, and --overwrite_output_dir then
+    # removed the finished prepare
+    ("prepare_into_its_input", "prepare", lambda m, c, o, f: ["--model_name_or_path", str(m), "--train_file",
+                                                              str(f["folder"]), "--output_dir",
+                                                              str(f["folder"] / "prepared"), "--max_seq_length", "32"],
+     "--output_dir", "is inside the --train_file folder .*texts, whose files are read as the corpus"),
+    ("prepare_into_its_held_out", "prepare", lambda m, c, o, f: ["--model_name_or_path", str(m), "--train_file",
+                                                                 str(c["train"]), "--validation_file", str(f["folder"]),
+                                                                 "--output_dir", str(f["folder"]),
+                                                                 "--max_seq_length", "32"],
+     "--output_dir", "is the --validation_file folder"),
     # submit: what train would refuse, before anything is submitted (--cluster local: with or without Slurm here)
     ("submit_seq_above_model", "submit", lambda m, c, o, f: ["--cluster", "local", "--max_seq_length", "128"],
      "--max_seq_length", "128 is above the model's maximum of 64 tokens"),
