@@ -26,7 +26,8 @@ def files(root: Path, model: Path) -> dict[str, Path]:
     """The bad inputs of the table, written once per test in its own folder."""
     made = {"folder": root / "texts", "latin1": root / "latin1.txt", "binary": root / "valid.txt",
             "latin1_yaml": root / "r.yaml", "numbers": root / "numbers.jsonl", "file": root / "plain.txt",
-            "task": root / "task.csv", "typed_yaml": root / "typed.yaml", "no_tokenizer": root / "no_tokenizer"}
+            "task": root / "task.csv", "typed_yaml": root / "typed.yaml", "no_tokenizer": root / "no_tokenizer",
+            "latin1_task": root / "task_latin1.jsonl", "latin1_task_csv": root / "task_latin1.csv"}
     made["folder"].mkdir()
     (made["folder"] / "a.txt").write_text("some words\n")
     made["latin1"].write_bytes("café au lait\nsecond line\n".encode("latin-1") * 20)
@@ -40,6 +41,10 @@ def files(root: Path, model: Path) -> dict[str, Path]:
     for name in ("config.json", "model.safetensors"):
         shutil.copyfile(model / name, made["no_tokenizer"] / name)
     made["typed_yaml"].write_text("gradient_accumulation_steps: 2.5\n")  # a count that is not whole
+    made["latin1_task"].write_bytes("".join(json.dumps({"text": f"caf\xe9 {i}", "label": i % 2}, ensure_ascii=False)
+                                            + "\n" for i in range(20)).encode("latin-1"))
+    made["latin1_task_csv"].write_bytes(("text,label\n" + "".join(f"caf\xe9 {i},{i % 2}\n" for i in range(20)))
+                                        .encode("latin-1"))
     made["task"].write_text("text,label\n" + "".join(f"text {i},{i % 2}\n" for i in range(20)))  # a probe's task
     return made
 
@@ -120,6 +125,16 @@ CASES: list[tuple[str, str, Callable[..., list[str]], str, str]] = [
     ("missing_probe_file", "train", lambda m, c, o, f: ["--probe_train_file", str(o.parent / "missing.csv"),
                                                         "--probe_test_file", str(f["numbers"])],
      "--probe_train_file", "no such file"),
+    # a probe's labeled texts that are not UTF-8: a UnicodeDecodeError traceback (json), a vague datasets error (csv)
+    ("probe_latin1_jsonl", "probe", lambda m, c, o, f: [str(m), "--train_file", str(f["latin1_task"]), "--test_file",
+                                                        str(f["task"])],
+     "--train_file", r"task_latin1.jsonl: not UTF-8 text \(byte 0xe9 at offset 13\); save it as UTF-8"),
+    ("probe_latin1_csv", "probe", lambda m, c, o, f: [str(m), "--train_file", str(f["task"]), "--test_file",
+                                                      str(f["latin1_task_csv"])],
+     "--test_file", r"task_latin1.csv: not UTF-8 text \(byte 0xe9 at offset 14\)"),
+    ("train_probe_latin1", "train", lambda m, c, o, f: ["--probe_train_file", str(f["latin1_task"]),
+                                                        "--probe_test_file", str(f["task"])],
+     "--probe_train_file", r"not UTF-8 text \(byte 0xe9 at offset 13\)"),
     # read-only places and a file where a folder goes
     ("train_read_only", "train", lambda m, c, o, f: ["--output_dir", str(READ_ONLY / "run")], "--output_dir",
      r"/sys cannot be written \(.*\); choose another --output_dir"),

@@ -33,7 +33,7 @@ import torch
 from transformers import HfArgumentParser, PreTrainedModel
 
 from mlm_ddp.config import parse_exactly
-from mlm_ddp.data.text import _builder_for, _load, check_columns
+from mlm_ddp.data.text import UTF8_CHECKED, _builder_for, _load, check_columns, first_undecodable, utf8_refusal
 from mlm_ddp.errors import BadInput, say
 from mlm_ddp.model.loading import check_local
 from mlm_ddp.probe.compare import change, describe_change, settings
@@ -153,6 +153,8 @@ def read_split(cfg: ProbeConfig, split: Literal["train", "test"]) -> tuple[list[
                            "parquet), or --dataset_name")
         flag = where = f"{cfg.flag(f'{split}_file')} {path}"
         builder = _builder_for(path, cfg.flag(f"{split}_file"))  # a missing or empty file is named here
+        if builder != "parquet" and (found := first_undecodable(path, limit=UTF8_CHECKED)):  # else a traceback
+            raise utf8_refusal(cfg.flag(f"{split}_file"), path, found)
         ds = load_file(builder, path, cfg, flag)
         cells_are_text = builder == "csv"
     check_columns(ds.column_names, cfg.text_column, where, cfg.flag("text_column"))
