@@ -18,7 +18,9 @@ cluster (a BadInput) ends every task with one line and exit 2, never a traceback
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import io
 import json
 import re
 import shutil
@@ -196,7 +198,10 @@ def submit(args: SubmitConfig, train_argv: list[str]) -> Any:
     if args.cluster == "slurm" and (missing := [c for c in ("sbatch", "srun") if shutil.which(c) is None]):
         raise BadInput(f"--cluster slurm: {' and '.join(missing)} not found on PATH (submit from a Slurm login node), "
                        "or run here with --cluster local or --cluster debug")
-    job_dir = writable_job_dir(Path(args.job_dir or Path(cfg.run.output_dir) / "submitit"))
+    job_dir = Path(args.job_dir or Path(cfg.run.output_dir) / "submitit")
+    made = next((p for p in reversed([job_dir, *job_dir.parents]) if not p.exists()), None)  # the top folder made
+    before = set(job_dir.iterdir()) if made is None and job_dir.is_dir() else set()
+    writable_job_dir(job_dir)
     tasks = args.gpus_per_node or args.procs_per_node
     executor = submitit.AutoExecutor(folder=job_dir / "%j", cluster=args.cluster)
     params: dict[str, Any] = dict(name="mlm_ddp", nodes=args.nodes, tasks_per_node=tasks,
@@ -212,7 +217,17 @@ def submit(args: SubmitConfig, train_argv: list[str]) -> Any:
                       **{f"slurm_{k}": v for k, v in (("partition", args.partition), ("account", args.account),
                                                        ("qos", args.qos), ("constraint", args.constraint)) if v})
     executor.update_parameters(**params)
-    return executor.submit(TrainTask(train_argv))
+    said = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(said):  # submitit prints sbatch's lines, then raises with them
+            job = executor.submit(TrainTask(train_argv))
+    except submitit.core.utils.FailedJobError as err:  # sbatch refused it: a partition, an account, a limit
+        for path in [made] if made is not None else set(job_dir.iterdir()) - before:  # what this call wrote
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+        lines = [re.sub(r"^sbatch: error: ", "", line.strip()) for line in str(err).splitlines() if line.strip()]
+        raise BadInput(f"Slurm refused the job: {'; '.join(lines) or type(err).__name__}") from None
+    sys.stderr.write(said.getvalue())
+    return job
 
 
 def main(argv: list[str] | None = None) -> int:

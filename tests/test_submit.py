@@ -5,6 +5,7 @@ run already finished or bad input shows only on the cluster."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -69,6 +70,10 @@ def test_debug_cluster_runs_the_job_end_to_end(tiny_model: Path, corpus: dict, t
     ("no_slurm_here", "--cluster slurm: sbatch and srun not found on PATH"),
     ("overwrite", "^mlm_ddp.submit: error: --overwrite_output_dir: every attempt of this job.*resumes --output_dir "
                   ".*choose another --output_dir, and submit without --overwrite_output_dir$"),
+    # sbatch itself refuses (a partition, an account, a limit): its reason, and the files submitit wrote removed
+    ("sbatch_refuses", "^mlm_ddp.submit: error: Slurm refused the job: invalid partition specified: gpu-typo; Batch "
+                       "job submission failed: Invalid partition name specified$"),
+    ("sbatch_refuses_in_job_dir", "^mlm_ddp.submit: error: Slurm refused the job: invalid partition"),
 ])
 def test_bad_input_is_refused_before_submission(case: str, message: str, tiny_model: Path, corpus: dict,
                                                 tmp_path: Path, capsys: pytest.CaptureFixture,
@@ -84,9 +89,22 @@ def test_bad_input_is_refused_before_submission(case: str, message: str, tiny_mo
              "local_two_nodes": ["--cluster", "local", "--nodes", "2"],
              "timeout_0": ["--timeout_min", "0"], "cpus_0": ["--cpus_per_task", "0"],
              "mem_negative": ["--mem_gb", "-4"], "signal_negative": ["--signal_delay_s", "-5"], "no_slurm_here": [],
-             "overwrite": ["--overwrite_output_dir"]}[case]
+             "overwrite": ["--overwrite_output_dir"], "sbatch_refuses": ["--partition", "gpu-typo"],
+             "sbatch_refuses_in_job_dir": ["--job_dir", str(tmp_path / "jobs")]}[case]
     if case == "no_slurm_here":  # a PATH without Slurm's commands, as on a laptop
         monkeypatch.setenv("PATH", str(Path(sys.executable).parent))
+    if case.startswith("sbatch_refuses"):
+        fake = tmp_path / "bin"
+        fake.mkdir()
+        (fake / "sbatch").write_text("#!/bin/sh\necho 'sbatch: error: invalid partition specified: gpu-typo' >&2\n"
+                                     "echo 'sbatch: error: Batch job submission failed: Invalid partition name "
+                                     "specified' >&2\nexit 1\n")
+        (fake / "srun").write_text("#!/bin/sh\nexit 0\n")
+        for command in fake.iterdir():
+            command.chmod(0o755)
+        monkeypatch.setenv("PATH", f"{fake}:{os.environ['PATH']}")
+        (tmp_path / "jobs").mkdir()
+        (tmp_path / "jobs" / "notes.txt").write_text("the user's own")
     try:
         code = main([*args, *extra])
     except SystemExit as exited:  # argparse's refusal of a flag
@@ -97,6 +115,8 @@ def test_bad_input_is_refused_before_submission(case: str, message: str, tiny_mo
     if case != "unknown_flag":  # argparse adds its usage
         assert len(said.err.strip().splitlines()) == 1, said.err
     assert "submitted job" not in said.out and not out.exists()
+    if case.startswith("sbatch_refuses"):  # a job folder that was there keeps what it held, and only that
+        assert [p.name for p in (tmp_path / "jobs").iterdir()] == ["notes.txt"]
 
 
 @pytest.fixture(scope="module")
