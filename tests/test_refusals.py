@@ -135,6 +135,16 @@ CASES: list[tuple[str, str, Callable[..., list[str]], str, str]] = [
     ("train_probe_latin1", "train", lambda m, c, o, f: ["--probe_train_file", str(f["latin1_task"]),
                                                         "--probe_test_file", str(f["task"])],
      "--probe_train_file", r"not UTF-8 text \(byte 0xe9 at offset 13\)"),
+    # an override transformers refuses only when it builds the model: a traceback (from scratch), or a line that
+    # blamed --model_name_or_path
+    ("overrides_model_refuses", "train", lambda m, c, o, f: ["--config_overrides", "hidden_size=33"],
+     "--config_overrides", r"'hidden_size=33': transformers refuses it \(The hidden size \(33\) is not a multiple"),
+    ("prepare_overrides_from_scratch", "prepare", lambda m, c, o, f: ["--model_type", "bert", "--tokenizer_name",
+                                                                      str(m), "--train_file", str(c["train"]),
+                                                                      "--output_dir", str(o), "--max_seq_length", "32",
+                                                                      "--config_overrides",
+                                                                      "hidden_size=33,num_attention_heads=2"],
+     "--config_overrides", "transformers refuses it"),
     # read-only places and a file where a folder goes
     ("train_read_only", "train", lambda m, c, o, f: ["--output_dir", str(READ_ONLY / "run")], "--output_dir",
      r"/sys cannot be written \(.*\); choose another --output_dir"),

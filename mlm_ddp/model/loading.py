@@ -20,6 +20,7 @@ from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForMaskedLM, AutoT
 from mlm_ddp.config import ModelConfig
 from mlm_ddp.errors import BadInput
 from mlm_ddp.model import compiled, fast_paths
+from mlm_ddp.model.overrides import apply_overrides
 from mlm_ddp.model.positions import KEYS as POSITION_KEYS
 from mlm_ddp.model.positions import loss_layout
 from mlm_ddp.model.tokenizer_files import check_tokenizer_files
@@ -120,11 +121,7 @@ def load_model_config(cfg: ModelConfig, tokenizer: Any) -> Any:
     if from_scratch(cfg):
         config.vocab_size = len(tokenizer)
         config.pad_token_id = tokenizer.pad_token_id
-    if cfg.config_overrides:
-        try:
-            config.update_from_string(cfg.config_overrides)
-        except ValueError as err:
-            raise BadInput(f"--config_overrides {cfg.config_overrides!r}: {err}") from err
+    apply_overrides(config, cfg)
     return config
 
 
