@@ -127,6 +127,8 @@ class BenchConfig:
         for name in ("warmup", "workers"):
             if getattr(self, name) is not None and getattr(self, name) < 0:
                 raise BadInput(f"--{name} must be >= 0, got {getattr(self, name)}")
+        if self.watchdog_cost and min(self.watchdog_cost) < 1:  # a rank count: 0 or fewer simulate nothing
+            raise BadInput(f"--watchdog_cost: each number of ranks must be at least 1, got {min(self.watchdog_cost)}")
 
 
 # ---------------------------------------------------------------------------------------------
