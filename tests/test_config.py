@@ -60,6 +60,18 @@ def test_unknown_yaml_key_is_named(tmp_path: Path) -> None:
         parse_args(["--config", str(recipe)])
 
 
+@pytest.mark.parametrize(("recipe", "message"), [
+    ("training:\n", "section 'training' is empty; give its keys indented below it, or remove it"),
+    ("model: bert-base-uncased\n", "section 'model' is not a mapping of keys \\(it holds str 'bert-base-uncased'\\)"),
+])
+def test_an_empty_or_flat_section_is_named_as_one(recipe: str, message: str, tmp_path: Path) -> None:
+    """It was "unknown key 'training' (did you mean 'streaming'?)": the key is known, its value is not a section."""
+    path = tmp_path / "recipe.yaml"
+    path.write_text(recipe)
+    with pytest.raises(BadInput, match=message):
+        load_recipe(path)
+
+
 def test_key_in_wrong_section_is_named(tmp_path: Path) -> None:
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text("model:\n  seed: 3\n")

@@ -198,7 +198,10 @@ def _flatten_recipe(recipe: Any, source: str) -> dict[str, Any]:
         flat[key] = value
 
     for key, value in recipe.items():
-        if key in SECTIONS and isinstance(value, dict):
+        if key in SECTIONS and not isinstance(value, dict):  # else "unknown key 'training'", which it is not
+            what = "empty" if value is None else f"not a mapping of keys (it holds {type(value).__name__} {value!r})"
+            raise BadInput(f"{source}: section {key!r} is {what}; give its keys indented below it, or remove it")
+        if key in SECTIONS:
             for sub_key, sub_value in value.items():
                 if owner.get(sub_key, key) != key:
                     raise BadInput(
