@@ -121,7 +121,7 @@ def load_model_config(cfg: ModelConfig, tokenizer: Any) -> Any:
     if from_scratch(cfg):
         config.vocab_size = len(tokenizer)
         config.pad_token_id = tokenizer.pad_token_id
-    apply_overrides(config, cfg)
+    apply_overrides(config, cfg.config_overrides, cfg.trust_remote_code)
     return config
 
 

@@ -9,19 +9,19 @@ from typing import Any
 import torch
 from transformers import AutoModelForMaskedLM
 
-from mlm_ddp.config import ModelConfig
 from mlm_ddp.errors import BadInput
 
 
-def apply_overrides(config: Any, cfg: ModelConfig) -> None:
+def apply_overrides(config: Any, overrides: str | None, trust_remote_code: bool) -> None:
     """Edit `config` by --config_overrides; BadInput naming the flag and transformers' reason if it refuses a key,
-    a value, or the model they make (built on the meta device: no memory, no weights, a fraction of a second)."""
-    if not cfg.config_overrides:
+    a value, or the model they make (built on the meta device: no memory, no weights, a fraction of a second).
+    Given the flag's values, not the model section: the section stays with loading, which owns it."""
+    if not overrides:
         return
     try:
-        config.update_from_string(cfg.config_overrides)
+        config.update_from_string(overrides)
         with torch.device("meta"):
-            AutoModelForMaskedLM.from_config(config, trust_remote_code=cfg.trust_remote_code)
+            AutoModelForMaskedLM.from_config(config, trust_remote_code=trust_remote_code)
     except ValueError as err:
         reason = " ".join(str(err).split())
-        raise BadInput(f"--config_overrides {cfg.config_overrides!r}: transformers refuses it ({reason})") from err
+        raise BadInput(f"--config_overrides {overrides!r}: transformers refuses it ({reason})") from err
