@@ -141,8 +141,11 @@ def _wrong_values(hint: object) -> list[object]:
         wrong.append(None)
     if typing.get_origin(inner) is list:
         return [*wrong, [1.5] if typing.get_args(inner)[0] is str else ["x"]]
+    # false is what YAML makes of an unquoted no or off: a choice where the choices hold that word
+    worded = typing.get_origin(inner) is typing.Literal and {"no", "off"} & set(typing.get_args(inner))
+    false = [] if worded else [False]
     return [*wrong, *{int: [8.5, True, "eight"], float: [True, "abc", [1, 2]], bool: [2, "maybe"]}.get(
-        inner, [1.5, datetime.date(2024, 1, 1), False])]  # text (a Literal is text too)
+        inner, [1.5, datetime.date(2024, 1, 1), *false])]  # text (a Literal is text too)
 
 
 def _every_field() -> list[tuple[str, object]]:
@@ -177,6 +180,8 @@ def test_a_wrong_typed_value_of_any_field_is_one_line_naming_the_key(key: str, v
     ("learning_rate: 5e-5", ("training", "learning_rate"), 5e-5),  # YAML reads it as text: the flag's reading
     ("num_train_epochs: 2", ("training", "num_train_epochs"), 2.0),
     ("validation_file: v.txt", ("data", "validation_file"), ["v.txt"]),
+    ("mixed_precision: no", ("training", "mixed_precision"), "no"),  # YAML reads the unquoted word as false
+    ("on_loss_spike: off", ("run", "on_loss_spike"), "off"),
 ])
 def test_the_natural_yaml_forms_are_taken(recipe: str, field: tuple[str, str], expected: object,
                                           tmp_path: Path) -> None:

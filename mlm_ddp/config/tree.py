@@ -114,6 +114,10 @@ def _scalar(value: Any, kind: Any, key: str) -> Any:
     """One value as a field of type `kind` holds it (ValueError if it cannot be): text converted as its flag's is
     (YAML reads 5e-5 as text, and a quoted '0.15' is what the flag takes), an int where a float goes."""
     if typing.get_origin(kind) is Literal:
+        # YAML reads an unquoted no or off as false: where the choices hold that word, it is what was written
+        word = next((w for w in ("no", "off") if w in typing.get_args(kind)), None)
+        if value is False and word is not None:
+            return word
         kind = str  # its choices are _check_choices' (the message lists them)
     if kind is str:
         if isinstance(value, str):
