@@ -163,6 +163,8 @@ CASES: list[tuple[str, str, Callable[..., list[str]], str, str]] = [
      "--output_dir", "cannot be written"),
     ("report_read_only", "report", lambda m, c, o, f: [str(o), "--out", str(READ_ONLY / "r.html")], "--out",
      "cannot be written"),
+    ("report_of_a_file", "report", lambda m, c, o, f: [str(f["file"])], "plain.txt",  # it spoke of an --out not given
+     "is not a folder: pass the --output_dir of a run"),
     # prepare: a corpus the model cannot read, a bad input file
     ("prepare_seq_above_model", "prepare", lambda m, c, o, f: ["--model_name_or_path", str(m), "--train_file",
                                                                str(c["train"]), "--output_dir", str(o),

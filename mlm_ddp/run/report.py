@@ -391,12 +391,14 @@ def default_out(folders: Sequence[str | Path]) -> Path:
 
 def write_report(folders: Sequence[str | Path], out: str | Path | None = None) -> tuple[Path, str]:
     """Writes the page and its plots (in `<name>_plots/` beside it); returns (page path, summary)."""
+    # without --out the page goes into the run's folder: a RUN that is not one is said as such, not as an --out
+    runs = read_runs(folders) if out is None else None
     out = Path(out) if out is not None else default_out(folders)
     if out.suffix != ".html":
         raise BadInput(f"--out {out}: name the report page with .html (its plots go beside it)")
     if (problem := unwritable(out.parent)) is not None:  # a read-only place: an OSError traceback after the plots
         raise BadInput(f"--out {out}: {problem}; choose another --out")
-    runs = read_runs(folders)
+    runs = runs if runs is not None else read_runs(folders)
     if out.exists() and (not out.is_file() or MARKER not in out.read_text(errors="replace")[:200]):
         raise BadInput(f"--out {out} exists and is not a page mlm_ddp.report wrote: choose another --out, "
                           "or delete it yourself")
