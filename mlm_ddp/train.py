@@ -205,7 +205,8 @@ def build(cfg: Config, checked: Checked, hooks: Hooks) -> Training:
     every = probing.EveryEval(cfg, accelerator, wait, checked.folder, model, checked.tokenizer, heartbeat.beat)
     evaluator = Evaluator(cfg.run.eval_steps, data.total_steps, accelerator, model, data.eval_loader, heartbeat.beat,
                           mlm_probability=cfg.data.eval_mlm_probability, then=every.at_eval)
-    spikes = LossSpikes.for_run(cfg.run, start.state.spike_history)
+    spikes = LossSpikes(cfg.run.on_loss_spike, cfg.run.loss_spike_factor, cfg.run.loss_spike_window,
+                        start.state.spike_history)
     skips = SkippedSteps(cfg.run.on_nonfinite_loss, accelerator, spikes, checkpointer.latest)
     return Training(cfg, checked, accelerator, wait, data, model, optimizer, scheduler, feed, stream_state, log,
                     evaluator, checkpointer, heartbeat, hooks, spikes, skips, every)

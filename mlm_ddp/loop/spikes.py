@@ -71,11 +71,6 @@ class LossSpikes:
         self.counts = {"skipped": 0, "rolled_back": 0}
         self.spiked_windows: set[tuple] = set()  # positions of windows a rollback skips
 
-    @classmethod
-    def for_run(cls, run: Any, history: list[float] | None) -> LossSpikes:
-        """The run section's --on_loss_spike, --loss_spike_factor and --loss_spike_window."""
-        return cls(run.on_loss_spike, run.loss_spike_factor, run.loss_spike_window, history)
-
     def history(self) -> list[float] | None:
         """The guard's accepted losses, for a checkpoint (None: no guard)."""
         return None if self.guard is None else list(self.guard.history)
