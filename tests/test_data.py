@@ -1,5 +1,6 @@
 import itertools
 import json
+import random
 from pathlib import Path
 
 import numpy as np
@@ -78,12 +79,30 @@ def test_bad_files_are_named(tmp_path: Path) -> None:
     (tmp_path / "empty.txt").write_text("")
     with pytest.raises(BadInput, match="empty.txt: the file is empty"):
         load_text(DataConfig(train_file=str(tmp_path / "empty.txt")), seed=0)
+    (tmp_path / "blank.jsonl").write_text("\n\n  \r\n")
+    with pytest.raises(BadInput, match="--train_file .*blank.jsonl: the file holds only blank lines, no text"):
+        load_text(DataConfig(train_file=str(tmp_path / "blank.jsonl")), seed=0)
     (tmp_path / "data.xml").write_text("<a/>")
     with pytest.raises(BadInput, match=r"unknown file extension '\.xml'; use one of .csv, .json"):
         load_text(DataConfig(train_file=str(tmp_path / "data.xml")), seed=0)
     (tmp_path / "data.jsonl").write_text('{"body": "a", "title": "b"}\n' * 3)
     with pytest.raises(BadInput, match="no text column 'text'; columns found: body, title"):
         load_text(DataConfig(train_file=str(tmp_path / "data.jsonl")), seed=0)
+
+
+def test_only_blank_reads_to_the_first_text_byte(tmp_path: Path) -> None:
+    """Generated files of whitespace, with and without one printable byte anywhere (chunk edges included)."""
+    from mlm_ddp.data.text import only_blank
+
+    rng = random.Random(0)
+    for case in range(200):
+        blank = "".join(rng.choice(" \t\n\r\x0b\x0c") for _ in range(rng.randint(1, 40)))
+        path = tmp_path / f"{case}.txt"
+        path.write_text(blank)
+        assert only_blank(path, chunk=rng.randint(1, 8)), repr(blank)
+        at = rng.randint(0, len(blank))
+        path.write_text(blank[:at] + rng.choice("a.é0") + blank[at:])
+        assert not only_blank(path, chunk=rng.randint(1, 8)), (blank, at)
 
 
 def test_embedded_corpus_is_real_text() -> None:

@@ -424,8 +424,8 @@ def test_streamed_sources_mix_run_out_and_resume_exactly(tiny_model: Path, corpu
     assert json.loads((legacy / "summary.json").read_text())["sources"] == summary["sources"]
 
 
-@pytest.mark.parametrize("case", ["count", "zero", "negative", "unweighted", "missing", "empty", "names", "twice",
-                                  "stream_lines", "stream_workers"])
+@pytest.mark.parametrize("case", ["count", "zero", "negative", "unweighted", "missing", "empty", "blank", "names",
+                                  "twice", "stream_lines", "stream_workers"])
 def test_bad_sources_are_one_line_and_exit_2_before_anything_is_written(
         case: str, tiny_model: Path, corpus: dict, other: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     out, empty = tmp_path / "out", tmp_path / "empty.txt"
@@ -434,6 +434,7 @@ def test_bad_sources_are_one_line_and_exit_2_before_anything_is_written(
     flags = {"count": ["--train_weights", "1", "2", "3"], "zero": ["--train_weights", "1", "0"],
              "negative": ["--train_weights", "1", "-1"], "unweighted": [],
              "missing": ["--train_weights", "1", "1"], "empty": ["--train_weights", "1", "1"],
+             "blank": ["--train_weights", "1", "1"],
              "names": ["--train_weights", "1", "1", "--train_names", "a", "a"],
              "twice": ["--train_weights", "1", "1", "--train_names", "a", "b"],  # named apart, still one file
              "stream_lines": ["--train_weights", "1", "1", "--streaming", "--line_by_line"],
@@ -442,6 +443,9 @@ def test_bad_sources_are_one_line_and_exit_2_before_anything_is_written(
         train[1] = str(tmp_path / "nope.txt")
     if case == "empty":
         train[1] = str(empty)
+    if case == "blank":
+        (tmp_path / "blank.txt").write_text("\n\n \n")
+        train[1] = str(tmp_path / "blank.txt")
     if case == "twice":
         train[1] = str(corpus["root"] / "." / "train.txt")
     if case.startswith("stream"):
@@ -452,6 +456,7 @@ def test_bad_sources_are_one_line_and_exit_2_before_anything_is_written(
     expected = {"count": "3 weight(s) for 2 --train_file source(s)", "zero": "must be a positive number",
                 "negative": "must be a positive number", "unweighted": "give each one's share",
                 "missing": "nope.txt: no such file", "empty": "empty.txt: the file is empty",
+                "blank": "blank.txt: the file holds only blank lines, no text",
                 "names": "two sources are both named 'a'", "twice": "given twice",
                 "stream_lines": "--streaming --line_by_line with 2 --train_file sources",
                 "stream_workers": "drop --dataloader_num_workers 2"}[case]

@@ -200,6 +200,7 @@ def _no_mask_tokenizer(tiny_model: Path, root: Path) -> Path:
     [
         ("missing_file", "--train_file .*nope.txt: no such file"),
         ("empty_file", "empty.txt: the file is empty"),
+        ("blank_lines_file", "blank.txt: the file holds only blank lines, no text"),
         ("bad_extension", r"unknown file extension '\.docx'"),
         ("no_text_column", "no text column 'text'; columns found: body"),
         ("seq_too_long", "--max_seq_length 128 is above the model's maximum of 64 tokens"),
@@ -225,6 +226,9 @@ def test_bad_input_is_refused_before_anything_is_written(
     elif case == "empty_file":
         (tmp_path / "empty.txt").write_text("")
         extra = ["--train_file", str(tmp_path / "empty.txt")]
+    elif case == "blank_lines_file":  # datasets reads it as rows of "": zero blocks, found only after the model loads
+        (tmp_path / "blank.txt").write_text("\n \n\t\n" * 1000)
+        extra = ["--train_file", str(tmp_path / "blank.txt")]
     elif case == "bad_extension":
         (tmp_path / "data.docx").write_text("text")
         extra = ["--train_file", str(tmp_path / "data.docx")]

@@ -29,7 +29,14 @@ from datasets import load_dataset, load_dataset_builder
 
 from mlm_ddp.config import DataConfig
 from mlm_ddp.data.pack import TOKENIZE_BATCH
-from mlm_ddp.data.text import SUFFIX_BUILDERS, UTF8_CHECKED, check_columns, first_undecodable, utf8_refusal
+from mlm_ddp.data.text import (
+    SUFFIX_BUILDERS,
+    UTF8_CHECKED,
+    check_columns,
+    first_undecodable,
+    only_blank,
+    utf8_refusal,
+)
 from mlm_ddp.errors import BadInput, say
 
 PROG = "mlm_ddp.prepare"
@@ -57,6 +64,8 @@ def check_file(file: Path, flag: str) -> None:
         raise BadInput(f"{file}: cannot be read ({err.strerror or err})") from err
     if size == 0:
         raise BadInput(f"{file}: the file is empty; remove it from {flag}")
+    if file.suffix.lower() != ".parquet" and only_blank(file):
+        raise BadInput(f"{file}: the file holds only blank lines, no text; remove it from {flag}")
 
 
 def expand(spec: str, flag: str) -> list[Path]:

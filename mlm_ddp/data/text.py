@@ -47,7 +47,19 @@ def _builder_for(path_str: str, flag: str) -> str:
         raise BadInput(f"{flag} {path}: no such file")
     if path.stat().st_size == 0:
         raise BadInput(f"{flag} {path}: the file is empty")
+    if SUFFIX_BUILDERS[suffix] != "parquet" and only_blank(path):
+        raise BadInput(f"{flag} {path}: the file holds only blank lines, no text")
     return SUFFIX_BUILDERS[suffix]
+
+
+def only_blank(path: str | Path, chunk: int = 1 << 20) -> bool:
+    """Whether a text, JSON or CSV file holds nothing but whitespace: no record to read. Reads up to its first
+    byte that is not whitespace, so a file with text costs one small read."""
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            if not block.isspace():
+                return False
+    return True
 
 
 def check_columns(columns: list[str] | None, text_column: str, source: str, flag: str = "--text_column") -> None:
