@@ -423,7 +423,9 @@ def bad_file(kind: str, root: Path) -> Path:
     folder = root / kind
     folder.mkdir()
     (folder / "a.jsonl").write_text("".join(json.dumps({"text": p}) + "\n" for p in corpus_paragraphs()[:50]))
-    content = {"empty": "", "blank": "\n \n\t\n", "not json": "{\"text\": \"cut off\n{{{\n",
+    content = {"empty": "", "blank": "\n \n\t\n",
+               "blank values": json.dumps({"text": " "}) + "\n" + json.dumps({"text": ""}) + "\n",
+               "not json": "{\"text\": \"cut off\n{{{\n",
                "no text column": json.dumps({"body": "a text"}) + "\n",
                "numbers": json.dumps({"text": "a text"}) + "\n" + json.dumps({"text": 5}) + "\n"}[kind]
     (folder / "b.jsonl").write_text(content)
@@ -448,7 +450,8 @@ def test_two_sources_are_refused_with_the_way_to_mix_them(weights: list[str], tm
 
 @pytest.mark.parametrize(("kind", "words"), [
     ("empty", "b.jsonl: the file is empty; remove it from --train_file"),
-    ("blank", "b.jsonl: holds no texts (every line or 'text' value is blank)"),
+    ("blank", "b.jsonl: the file holds only blank lines, no text; remove it from --train_file"),
+    ("blank values", "b.jsonl: holds no texts (every line or 'text' value is blank)"),
     ("not json", "b.jsonl: cannot be read as json"),
     ("no text column", "b.jsonl: no text column 'text'; columns found: body"),
     ("numbers", "b.jsonl: column 'text' holds int values, not text; pass --text_column with a column of text"),
