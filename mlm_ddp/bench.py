@@ -40,6 +40,7 @@ from accelerate import Accelerator
 from torch.utils.data import DataLoader
 from transformers import AutoModelForMaskedLM, DataCollatorForLanguageModeling, HfArgumentParser
 
+from mlm_ddp import compat
 from mlm_ddp import data as mdata
 from mlm_ddp.cluster import heartbeat, precision, watchdog_cost
 from mlm_ddp.cluster import launcher as distributed
@@ -449,6 +450,7 @@ def main(argv: list[str] | None = None) -> int:
                               allow_abbrev=False)
     try:
         (cfg,) = parse_exactly(parser, argv)  # a bad value is refused by BenchConfig itself, here
+        compat.check()
         if cfg.watchdog_cost:
             rows = watchdog_cost.cost(cfg.watchdog_cost)
             print(watchdog_cost.format_rows(rows))

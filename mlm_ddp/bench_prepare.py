@@ -26,6 +26,7 @@ from pathlib import Path
 
 from transformers import HfArgumentParser
 
+from mlm_ddp import compat
 from mlm_ddp.config import _doc, parse_exactly
 from mlm_ddp.errors import EXIT_BAD_INPUT, BadInput, say
 
@@ -169,6 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         parser = HfArgumentParser(BenchPrepareConfig, prog="python -m mlm_ddp.bench_prepare", allow_abbrev=False)
         (cfg,) = parse_exactly(parser, argv)
+        compat.check()
     except BadInput as err:
         say(f"mlm_ddp.bench_prepare: error: {err}")
         return EXIT_BAD_INPUT

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from mlm_ddp import compat
 from mlm_ddp.errors import BadInput, say
 from mlm_ddp.loop.trained import load_for_prediction
 from mlm_ddp.model.loading import check_local
@@ -77,6 +78,7 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_intermixed_args(argv)  # options before, between or after the texts
     try:
+        compat.check()
         texts = args.texts or [line.strip() for line in sys.stdin if line.strip()]
         for text in texts:  # bytes that are not UTF-8 reach us as surrogates, which the tokenizer cannot take
             try:

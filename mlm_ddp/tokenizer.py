@@ -42,6 +42,7 @@ from datasets import Dataset
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 from transformers import AutoTokenizer, BertTokenizerFast, HfArgumentParser
 
+from mlm_ddp import compat
 from mlm_ddp.cluster.durable import unwritable
 from mlm_ddp.config import DataConfig, ModelConfig, _doc, parse_exactly
 from mlm_ddp.config.tree import given
@@ -423,6 +424,7 @@ def main(argv: list[str] | None = None) -> int:
                               "domain's words instead (its flags: --extend MODEL --help; docs/vocabulary.md)")
     try:
         (cfg,) = parse_exactly(parser, argv)
+        compat.check()
         result = extend_vocabulary(cfg) if extending else train_tokenizer(cfg)
     except BadInput as err:
         # one write: the line arrives whole even on an unbuffered stderr

@@ -30,6 +30,7 @@ from accelerate.logging import get_logger
 from accelerate.utils import set_seed
 
 import mlm_ddp
+from mlm_ddp import compat
 from mlm_ddp import data as mdata
 from mlm_ddp.cluster import collectives, generation, precision, watchdog
 from mlm_ddp.cluster import launcher as distributed
@@ -106,6 +107,7 @@ class Checked:
 
 def check_inputs(cfg: Config) -> tuple[Any, Any]:
     """What needs no process and writes nothing (submit checks it too); returns (tokenizer, model config)."""
+    compat.check()  # the other libraries' internals mlm_ddp reaches are where this release keeps them
     branch.resolve(cfg)  # --decay_from: the run's end and decay, in steps (branch.py)
     tokenizer = load_tokenizer(cfg.model, needs_word_ids=cfg.data.whole_word_mask)
     model_config = load_model_config(cfg.model, tokenizer)

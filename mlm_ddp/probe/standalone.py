@@ -32,6 +32,7 @@ import numpy as np
 import torch
 from transformers import HfArgumentParser, PreTrainedModel
 
+from mlm_ddp import compat
 from mlm_ddp.config import parse_exactly
 from mlm_ddp.data.text import UTF8_CHECKED, _builder_for, _load, check_columns, first_undecodable, utf8_refusal
 from mlm_ddp.errors import BadInput, say
@@ -387,6 +388,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="model folder, Hub name, a run's final/ or checkpoints/step-N folder")
     try:
         cfg, positional = parse_exactly(parser, argv)
+        compat.check()
         data = load_probe_data(cfg)  # every data problem is found before any model is loaded
         for note in data.notes:
             say(f"{PROG}: warning: {note}")
