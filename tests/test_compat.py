@@ -130,3 +130,22 @@ def test_the_tested_range_starts_at_pyprojects_floor() -> None:
         floor = compat.declared_floor(library)
         assert floor is not None, library
         assert compat.tested_range(library) == f"{library} {floor} to {compat.NEWEST_TESTED[library]}"
+
+
+def test_a_moved_name_stops_train_in_one_line_before_anything_is_written(
+        tiny_model: Path, corpus: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture) -> None:
+    """`mlm_ddp.train` on a stack where one reach's name moved: exit 2, the check's one line, no traceback, no
+    folder, before the model is loaded."""
+    from mlm_ddp.train import main
+    from tests.conftest import tiny_args
+
+    reach = TAKEABLE[0]
+    owner, attribute = dotted(reach.name)
+    monkeypatch.delattr(owner, attribute)
+    out = tmp_path / "out"
+    assert main(tiny_args(tiny_model, corpus, out, "--max_train_steps", "2")) == 2
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("mlm_ddp.train: error:")]
+    assert errors == [f"mlm_ddp.train: error: {compat.line_for(reach)}"] and "Traceback" not in err, err
+    assert not out.exists()
