@@ -44,7 +44,7 @@ from mlm_ddp import compat
 from mlm_ddp import data as mdata
 from mlm_ddp.cluster import heartbeat, precision, watchdog_cost
 from mlm_ddp.cluster import launcher as distributed
-from mlm_ddp.config import ModelConfig, _doc, from_dict, parse_exactly
+from mlm_ddp.config import ModelConfig, _doc, checks, from_dict, parse_exactly
 from mlm_ddp.data.epochs import loader_workers, own_generator, worker_options
 from mlm_ddp.data.masking import EVAL_SPLIT, IGNORE_INDEX, TRAIN_SPLIT, MaskingCollator
 from mlm_ddp.errors import BadInput, say
@@ -120,14 +120,12 @@ class BenchConfig:
 
     def __post_init__(self) -> None:
         for name in ("steps", "repeats", "seq", "batch", "eval_blocks"):
-            if getattr(self, name) < 1:
-                raise BadInput(f"--{name} must be at least 1, got {getattr(self, name)}")
+            checks.at_least(f"--{name}", getattr(self, name), 1)
         unknown = sorted(set(self.variants or []) - set(VARIANTS))
         if unknown:
             raise BadInput(f"--variants {' '.join(unknown)}: not a variant; choose from {', '.join(VARIANTS)}")
         for name in ("warmup", "workers"):
-            if getattr(self, name) is not None and getattr(self, name) < 0:
-                raise BadInput(f"--{name} must be >= 0, got {getattr(self, name)}")
+            checks.not_negative(f"--{name}", getattr(self, name))
         if self.watchdog_cost and min(self.watchdog_cost) < 1:  # a rank count: 0 or fewer simulate nothing
             raise BadInput(f"--watchdog_cost: each number of ranks must be at least 1, got {min(self.watchdog_cost)}")
 

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from mlm_ddp import compat
+from mlm_ddp.config import checks
 from mlm_ddp.errors import BadInput, say
 from mlm_ddp.loop.trained import load_for_prediction
 from mlm_ddp.model.loading import check_local
@@ -85,8 +86,7 @@ def main(argv: list[str] | None = None) -> int:
                 text.encode("utf-8")
             except UnicodeEncodeError as err:
                 raise BadInput(f"{text[:40]!r}: not UTF-8 text ({err.reason}); give texts in UTF-8") from err
-        if args.top_k < 1:
-            raise BadInput(f"--top_k must be at least 1, got {args.top_k}")
+        checks.at_least("--top_k", args.top_k, 1)
         if not texts:
             raise BadInput("no text given: pass texts as arguments or one per line on stdin")
         for name, given in ((args.model, "MODEL"), (args.compare, "--compare")):

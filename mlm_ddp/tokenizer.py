@@ -44,7 +44,7 @@ from transformers import AutoTokenizer, BertTokenizerFast, HfArgumentParser
 
 from mlm_ddp import compat
 from mlm_ddp.cluster.durable import unwritable
-from mlm_ddp.config import DataConfig, ModelConfig, _doc, parse_exactly
+from mlm_ddp.config import DataConfig, ModelConfig, _doc, checks, parse_exactly
 from mlm_ddp.config.tree import given
 from mlm_ddp.data import AnyDataset, load_text
 from mlm_ddp.errors import BadInput
@@ -109,12 +109,9 @@ class TokenizerConfig:
         if self.vocab_size <= len(SPECIAL_TOKENS):
             raise BadInput(f"--vocab_size must be larger than the {len(SPECIAL_TOKENS)} special tokens, "
                            f"got {self.vocab_size} (bert-base has 30522)")
-        if self.min_frequency < 0:
-            raise BadInput(f"--min_frequency must be >= 0, got {self.min_frequency}")
-        if self.model_max_length < 1:
-            raise BadInput(f"--model_max_length must be at least 1, got {self.model_max_length}")
-        if self.max_train_samples is not None and self.max_train_samples < 1:
-            raise BadInput(f"--max_train_samples must be at least 1, got {self.max_train_samples}")
+        checks.not_negative("--min_frequency", self.min_frequency)
+        checks.at_least("--model_max_length", self.model_max_length, 1)
+        checks.at_least("--max_train_samples", self.max_train_samples, 1)
         if not self.output_dir:
             raise BadInput("--output_dir must not be empty")
         self.data_config()  # the data flags are checked as training checks them
@@ -301,14 +298,11 @@ class ExtendConfig:
     overwrite_output_dir: bool = _doc("Replace --output_dir if it is not empty.", default=False)
 
     def __post_init__(self) -> None:
-        if self.num_new_tokens <= 0:
-            raise BadInput(f"--num_new_tokens must be at least 1, got {self.num_new_tokens}")
+        checks.at_least("--num_new_tokens", self.num_new_tokens, 1)
         if not self.train_file:
             raise BadInput("--extend needs the domain's text: give --train_file FILE [FILE ...]")
-        if not 0 <= self.validation_split_percentage < 100:
-            raise BadInput(f"--validation_split_percentage must be in [0, 100), got {self.validation_split_percentage}")
-        if self.min_frequency < 1:
-            raise BadInput(f"--min_frequency must be at least 1, got {self.min_frequency}")
+        checks.within("--validation_split_percentage", self.validation_split_percentage, 0, 100)
+        checks.at_least("--min_frequency", self.min_frequency, 1)
         output = Path(self.output_dir)
         if output.is_file() or (output.is_dir() and any(output.iterdir()) and not self.overwrite_output_dir):
             raise BadInput(f"--output_dir {output} is in use (not an empty folder); pass --overwrite_output_dir "

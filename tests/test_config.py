@@ -189,3 +189,27 @@ def test_the_natural_yaml_forms_are_taken(recipe: str, field: tuple[str, str], e
     path.write_text(recipe + "\n")
     value = getattr(getattr(parse_args(["--config", str(path)]), field[0]), field[1])
     assert value == expected and type(value) is type(expected)
+
+
+def test_each_value_check_refuses_exactly_outside_its_bound() -> None:
+    """config/checks.py over generated values around each bound: refused iff outside, in one line naming the
+    flag, the bound and the value; a value left unset passes."""
+    import random
+
+    from mlm_ddp.config import checks
+
+    rng = random.Random(0)
+    cases = [(lambda v: checks.at_least("--n", v, 1), lambda v: v >= 1, "--n must be at least 1, got "),
+             (lambda v: checks.not_negative("--n", v), lambda v: v >= 0, "--n must be >= 0, got "),
+             (lambda v: checks.positive("--n", v), lambda v: v > 0, "--n must be positive, got "),
+             (lambda v: checks.above("--n", v, 1), lambda v: v > 1, "--n must be above 1, got "),
+             (lambda v: checks.within("--n", v, 0, 1), lambda v: 0 <= v < 1, "--n must be in [0, 1), got ")]
+    for check, allowed, words in cases:
+        check(None)
+        for value in [0, 1, -1, 0.5, 2] + [rng.choice([rng.randint(-3, 3), rng.uniform(-2, 2)]) for _ in range(50)]:
+            if allowed(value):
+                check(value)
+                continue
+            with pytest.raises(BadInput) as refused:
+                check(value)
+            assert str(refused.value) == f"{words}{value}"

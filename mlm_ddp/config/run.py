@@ -6,6 +6,7 @@ import signal
 from dataclasses import dataclass
 from typing import Literal
 
+from mlm_ddp.config import checks
 from mlm_ddp.config.sections import _doc
 from mlm_ddp.errors import BadInput
 
@@ -164,12 +165,8 @@ class RunConfig:
                            "last: set --eval_steps N")
         if not self.output_dir:
             raise BadInput("--output_dir must not be empty")
-        if self.logging_steps < 1:
-            raise BadInput(f"--logging_steps must be at least 1, got {self.logging_steps}")
-        if self.eval_steps is not None and self.eval_steps < 1:
-            raise BadInput(f"--eval_steps must be at least 1, got {self.eval_steps}")
-        if self.save_total_limit is not None and self.save_total_limit < 1:
-            raise BadInput(f"--save_total_limit must be at least 1, got {self.save_total_limit}")
+        for name in ("logging_steps", "eval_steps", "save_total_limit"):
+            checks.at_least(f"--{name}", getattr(self, name), 1)
         if self.checkpointing_steps is not None:
             value = str(self.checkpointing_steps)
             if value != "epoch" and not (value.isdigit() and int(value) > 0):
@@ -184,14 +181,10 @@ class RunConfig:
         timeouts = {"--ddp_timeout": self.ddp_timeout, "--preprocessing_timeout": self.preprocessing_timeout,
                     "--save_timeout": self.save_timeout, "--rendezvous_timeout": self.rendezvous_timeout}
         for flag, value in timeouts.items():
-            if value < 1:
-                raise BadInput(f"{flag} must be at least 1 second, got {value}")
-        if self.peak_tflops is not None and self.peak_tflops <= 0:
-            raise BadInput(f"--peak_tflops must be above 0, got {self.peak_tflops}")
-        if self.loss_spike_factor <= 1:
-            raise BadInput(f"--loss_spike_factor must be above 1, got {self.loss_spike_factor}")
-        if self.loss_spike_window < 10:
-            raise BadInput(f"--loss_spike_window must be at least 10 steps, got {self.loss_spike_window}")
+            checks.at_least(flag, value, 1, " second")
+        checks.above("--peak_tflops", self.peak_tflops, 0)
+        checks.above("--loss_spike_factor", self.loss_spike_factor, 1)
+        checks.at_least("--loss_spike_window", self.loss_spike_window, 10, " steps")
         if self.on_loss_spike == "rollback" and self.checkpointing_steps is None:
             raise BadInput("--on_loss_spike rollback reloads the newest checkpoint: set --checkpointing_steps, "
                            "or use --on_loss_spike skip")

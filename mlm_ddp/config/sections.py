@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from mlm_ddp.config import checks
 from mlm_ddp.config.mixture import check_sources, source_names
 from mlm_ddp.errors import BadInput
 
@@ -263,13 +264,8 @@ class DataConfig:
                                "a share of the training text: give one of the two")
         check_masking(self.mlm_probability, self.mask_replace_prob, self.random_replace_prob)
         check_masking(self.eval_mlm_probability, 0.8, 0.1, rate_flag="--eval_mlm_probability")
-        if self.max_seq_length < 8:
-            raise BadInput(f"--max_seq_length must be at least 8, got {self.max_seq_length}")
-        if not 0.0 <= self.validation_split_percentage < 100.0:
-            raise BadInput(
-                "--validation_split_percentage must be in [0, 100), got "
-                f"{self.validation_split_percentage}"
-            )
+        checks.at_least("--max_seq_length", self.max_seq_length, 8)
+        checks.within("--validation_split_percentage", self.validation_split_percentage, 0, 100)
         if self.dataset_name is not None and self.train_file is not None:
             raise BadInput("give either --dataset_name or --train_file, not both")
         if self.prepared_data is not None:
@@ -277,14 +273,9 @@ class DataConfig:
                      if getattr(self, name)]
             if given:
                 raise BadInput(f"--prepared_data is the whole data set, already tokenized: drop {', '.join(given)}")
-        for name in ("max_train_samples", "max_eval_samples", "preprocessing_num_workers"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise BadInput(f"--{name} must be at least 1, got {value}")
-        if self.shuffle_buffer_size < 1:
-            raise BadInput(f"--shuffle_buffer_size must be at least 1, got {self.shuffle_buffer_size}")
-        if self.dataloader_num_workers is not None and self.dataloader_num_workers < 0:
-            raise BadInput(f"--dataloader_num_workers must be >= 0, got {self.dataloader_num_workers}")
+        for name in ("max_train_samples", "max_eval_samples", "preprocessing_num_workers", "shuffle_buffer_size"):
+            checks.at_least(f"--{name}", getattr(self, name), 1)
+        checks.not_negative("--dataloader_num_workers", self.dataloader_num_workers)
 
     # what the section says about its own sources: asked of it, so the data code is handed the section once
     @property

@@ -6,6 +6,7 @@ import importlib.util
 from dataclasses import dataclass
 from typing import Literal
 
+from mlm_ddp.config import checks
 from mlm_ddp.config.sections import _doc
 from mlm_ddp.errors import BadInput
 
@@ -141,13 +142,10 @@ class TrainingConfig:
     )
 
     def __post_init__(self) -> None:
-        if self.lr_reference_batch is not None and self.lr_reference_batch < 1:
-            raise BadInput(f"--lr_reference_batch must be at least 1 sequence, got {self.lr_reference_batch}")
-        if self.lr_reference_seq_length is not None and self.lr_reference_seq_length < 1:
-            raise BadInput(f"--lr_reference_seq_length must be at least 1 token, got {self.lr_reference_seq_length}")
+        checks.at_least("--lr_reference_batch", self.lr_reference_batch, 1, " sequence")
+        checks.at_least("--lr_reference_seq_length", self.lr_reference_seq_length, 1, " token")
         for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps"):
-            if getattr(self, name) < 1:
-                raise BadInput(f"--{name} must be at least 1, got {getattr(self, name)}")
+            checks.at_least(f"--{name}", getattr(self, name), 1)
         if self.global_batch_size is not None and (self.global_batch_size < 1 or self.gradient_accumulation_steps != 1):
             raise BadInput(f"--global_batch_size {self.global_batch_size} with --gradient_accumulation_steps "
                            f"{self.gradient_accumulation_steps}: give one of them (the accumulation is derived from "
@@ -157,28 +155,21 @@ class TrainingConfig:
             raise BadInput(f"--lr_scheduler_type {self.lr_scheduler_type}: {why}; use one of {', '.join(SCHEDULERS)}")
         self.check_schedule()
         for name in ("learning_rate", "head_learning_rate"):
-            if getattr(self, name) is not None and getattr(self, name) <= 0:
-                raise BadInput(f"--{name} must be positive, got {getattr(self, name)}")
+            checks.positive(f"--{name}", getattr(self, name))
         for name in ("adam_beta1", "adam_beta2"):  # torch's AdamW refuses them later, with a traceback
-            if not 0 <= getattr(self, name) < 1:
-                raise BadInput(f"--{name} must be in [0, 1), got {getattr(self, name)}; the usual values are 0.9 "
-                               "and 0.999 (0.98 for ModernBERT's recipe)")
-        if self.adam_epsilon < 0:
-            raise BadInput(f"--adam_epsilon must be >= 0, got {self.adam_epsilon}; the usual value is 1e-8")
-        if self.seed < 0:  # numpy's generators take no negative seed
-            raise BadInput(f"--seed must be >= 0, got {self.seed}")
+            checks.within(f"--{name}", getattr(self, name), 0, 1,
+                          hint="; the usual values are 0.9 and 0.999 (0.98 for ModernBERT's recipe)")
+        checks.not_negative("--adam_epsilon", self.adam_epsilon, hint="; the usual value is 1e-8")
+        checks.not_negative("--seed", self.seed)  # numpy's generators take no negative seed
         if self.weight_decay < 0 or self.max_grad_norm < 0 or self.num_warmup_steps < 0:
             raise BadInput("--weight_decay, --max_grad_norm and --num_warmup_steps must be >= 0")
         if self.num_warmup_steps >= 1 and self.num_warmup_steps != int(self.num_warmup_steps):
             raise BadInput(f"--num_warmup_steps must be whole steps or a fraction below 1, got {self.num_warmup_steps}")
         if self.optimizer == "stableadamw":
             check_stableadamw(self.weight_decay)
-        if self.num_train_epochs <= 0:
-            raise BadInput(f"--num_train_epochs must be positive, got {self.num_train_epochs}")
-        if self.cpu_threads is not None and self.cpu_threads < 1:
-            raise BadInput(f"--cpu_threads must be at least 1, got {self.cpu_threads}")
-        if self.max_train_steps is not None and self.max_train_steps < 1:
-            raise BadInput(f"--max_train_steps must be at least 1, got {self.max_train_steps}")
+        checks.positive("--num_train_epochs", self.num_train_epochs)
+        checks.at_least("--cpu_threads", self.cpu_threads, 1)
+        checks.at_least("--max_train_steps", self.max_train_steps, 1)
 
     def accumulation_for(self, world: int) -> int:
         """Micro-batches per optimizer step on `world` processes (--global_batch_size, else as given)."""
@@ -202,8 +193,7 @@ class TrainingConfig:
                            f"--lr_scheduler_type is {self.lr_scheduler_type}: drop them or use warmup_stable_decay")
         if decay is not None and (decay < 0 or (decay >= 1 and decay != int(decay))):
             raise BadInput(f"--num_decay_steps must be whole steps, a fraction in (0, 1), or 0; got {decay}")
-        if not 0 <= self.min_lr_ratio < 1:
-            raise BadInput(f"--min_lr_ratio must be in [0, 1), got {self.min_lr_ratio}")
+        checks.within("--min_lr_ratio", self.min_lr_ratio, 0, 1)
         if self.min_lr_ratio and not (wsd or self.lr_scheduler_type.endswith("with_min_lr")):
             raise BadInput(f"--min_lr_ratio sets the floor of warmup_stable_decay, cosine_with_min_lr and "
                            f"cosine_warmup_with_min_lr; --lr_scheduler_type is {self.lr_scheduler_type}")

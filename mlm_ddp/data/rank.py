@@ -117,10 +117,10 @@ def rank_data(data: DataConfig, training: TrainingConfig, tokenizer: Any, raw_tr
         tokenizer, split=TRAIN_SPLIT, mlm_probability=data.mlm_probability, mask_replace_prob=data.mask_replace_prob,
         random_replace_prob=data.random_replace_prob, **common)
     # evaluation: its own rate and BERT's 80/10/10 (the collator's defaults), whatever rate and split the
-    # training masks with, so that runs of other training rates are scored on the same held-out inputs; the
-    # whole-word setting is shared, since it changes what one masked position is (a word, not a token), and
-    # runs are compared at equal --whole_word_mask (docs/data.md, "Masking rates: training and evaluation"). The characters its masked
-    # tokens cover give bits per character, comparable across tokenizers.
+    # training masks with, so that runs of other training rates are scored on the same held-out inputs. The
+    # whole-word setting is shared, since it changes what one masked position is (a word, not a token): runs
+    # are compared at equal --whole_word_mask (docs/data.md, "Masking rates: training and evaluation"). The
+    # characters its masked tokens cover give bits per character, comparable across tokenizers.
     eval_collator = MaskingCollator.for_tokenizer(tokenizer, split=EVAL_SPLIT, characters=character_table(tokenizer),
                                                   mlm_probability=data.eval_mlm_probability, **common)
     pin = accelerator.device.type == "cuda"

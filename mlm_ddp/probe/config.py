@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from mlm_ddp.config import _doc
+from mlm_ddp.config import _doc, checks
 from mlm_ddp.errors import BadInput
 
 MTEB = {"max_train_per_label": 8, "seeds": 10}  # MTEB's samples_per_label and n_experiments
@@ -75,11 +75,7 @@ class ProbeConfig:
         if self.seeds is None:
             self.seeds = FINETUNE_SEEDS if self.mode == "finetune" else MTEB["seeds"]
         for name in ("seeds", "batch_size", "epochs"):
-            if getattr(self, name) < 1:
-                raise BadInput(f"--{name} must be at least 1, got {getattr(self, name)}")
-        if self.max_train_per_label < 0:
-            raise BadInput(f"--max_train_per_label must be >= 0 (0: all), got {self.max_train_per_label}")
-        if self.learning_rate <= 0:
-            raise BadInput(f"--learning_rate must be positive, got {self.learning_rate}")
-        if self.max_seq_length is not None and self.max_seq_length < 2:
-            raise BadInput(f"--max_seq_length must be at least 2 (the special tokens), got {self.max_seq_length}")
+            checks.at_least(f"--{name}", getattr(self, name), 1)
+        checks.not_negative("--max_train_per_label", self.max_train_per_label, meaning=" (0: all)")
+        checks.positive("--learning_rate", self.learning_rate)
+        checks.at_least("--max_seq_length", self.max_seq_length, 2, " (the special tokens)")
