@@ -6,6 +6,9 @@ a checkpoint's masks compared with an older run's, depend on it. So the referenc
 algorithm as it was, frozen, and the batched one must equal it on generated batches.
 """
 
+import hashlib
+from collections.abc import Iterator
+
 import numpy as np
 import pytest
 import torch
@@ -154,3 +157,68 @@ def test_batched_masks_are_independent_of_the_batch_a_row_lands_in() -> None:
         n = len(example["input_ids"])
         assert torch.equal(alone["input_ids"][0], together["input_ids"][row, :n])
         assert torch.equal(alone["labels"][0], together["labels"][row, :n])
+
+
+# Golden masks: the collator's inputs and labels for fixed batches, hashed. The batches come from splitmix64,
+# not from numpy, so that only the masks' draws can move them: a numpy release whose generator draws other
+# numbers (SeedSequence, PCG64, Generator.random or .integers) fails here, on the fast path and the fallback.
+# name: (vocabulary, rows, longest row, seed, split, mlm_probability, mask_replace_prob, random_replace_prob,
+# whole_word_mask, pad_to)
+GOLDEN_CASES = {
+    "bert": (30522, 16, 128, 42, 0, 0.15, 0.8, 0.1, False, 0),
+    "eval": (30522, 8, 96, 2**63 + 5, 1, 0.15, 0.8, 0.1, False, 128),
+    "words": (50, 12, 64, 7, 0, 0.4, 0.5, 0.25, True, 0),
+    "random": (6, 8, 40, 2**32, 0, 0.99, 0.0, 1.0, False, 0),
+    # 1,073,742 replacement ids: Lemire's method rejects 2.5e-4 of the draws, so a row of this batch takes one
+    "rejections": (1_073_746, 64, 128, 3, 0, 0.5, 0.0, 1.0, False, 0),
+}
+# sha256 of the case's input_ids then labels, int64 little-endian (B, W), as numpy 2.4.6 draws them
+GOLDEN_MASKS = {
+    "bert": "0804e9e785238d286a224bbee56049cb3989a39bfcafb75efa5849a6a4b11ff1",
+    "eval": "203c9c7cda25ffd52664892d253de161d96569258149e3c45eaacc25f878634d",
+    "words": "7b920e4aa1d106305005edaf1dd37c96a4e0666fbb09538979f875a9b9c01ed1",
+    "random": "797de4a7de9eac935a3ab89b5e161468da8ffd8c902e431dd9648e6df41223c4",
+    "rejections": "497ed8aa3c9cd9ddba413af6958ecf5081a0e897c7f5353706bef32b2da9a6ea",
+}
+MASK64 = (1 << 64) - 1
+
+
+def splitmix64(state: int) -> Iterator[int]:
+    while True:
+        state = (state + 0x9E3779B97F4A7C15) & MASK64
+        z = ((state ^ (state >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK64
+        yield z ^ (z >> 31)
+
+
+def golden_batch(name: str) -> tuple[MaskingCollator, list[dict]]:
+    """The case's collator and rows: every fourth row of a random length up to the longest (0 among them), the
+    others the longest; a tenth of the tokens special; each row's epoch its index mod 3."""
+    vocab, rows, longest, seed, split, mlm, mask, random, whole_word, pad_to = GOLDEN_CASES[name]
+    stream = splitmix64(int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little"))
+    examples = []
+    for row in range(rows):
+        n = longest if row % 4 else next(stream) % (longest + 1)
+        ids = [4 + next(stream) % (vocab - 4) for _ in range(n)]
+        for t in range(n):
+            if next(stream) % 10 == 0:
+                ids[t] = next(stream) % 4
+        example = {"input_ids": ids, EPOCH_KEY: row % 3}
+        if whole_word:
+            example["word_continues"] = [bool(next(stream) % 2) for _ in range(n)]
+        examples.append(example)
+    collator = MaskingCollator(mask_token_id=3, pad_token_id=0, special_ids=[0, 1, 2, 3], vocab_size=vocab,
+                               mlm_probability=mlm, whole_word_mask=whole_word, mask_replace_prob=mask,
+                               random_replace_prob=random, seed=seed, split=split, pad_to=pad_to)
+    return collator, examples
+
+
+def masks_hash(batch: dict) -> str:
+    return hashlib.sha256(batch["input_ids"].numpy().astype("<i8").tobytes()
+                          + batch["labels"].numpy().astype("<i8").tobytes()).hexdigest()
+
+
+@pytest.mark.parametrize("name", sorted(GOLDEN_CASES))
+def test_the_masks_of_fixed_batches_are_the_golden_ones(name: str) -> None:
+    collator, examples = golden_batch(name)
+    assert masks_hash(collator(examples)) == GOLDEN_MASKS[name], f"numpy {np.__version__} draws other masks"
