@@ -1,11 +1,14 @@
-"""The batched masking draws are numpy's per-row generators, bit for bit (data.row_rng, data.masking).
+"""The batched masking draws are numpy's per-row PCG64 generators, bit for bit (data.row_rng, data.masking).
 
-The collator used to build `np.random.default_rng([seed, split, epoch, digest])` for each row and mask
-it alone; it now draws a batch at once. The masks must not move: a run resumed across this change, or
-a checkpoint's masks compared with an older run's, depend on it. So the reference here is the per-row
-algorithm as it was, frozen, and the batched one must equal it on generated batches.
+Each row's mask is drawn from its own generator, numpy's PCG64 seeded by SeedSequence([seed, split, epoch,
+digest]); the collator draws a batch at once, by an emulation of numpy's arithmetic that checks itself
+against numpy once per process, else by numpy's own generators. The masks must not move: a resumed run, or
+a checkpoint's masks compared with another run's, depend on it. So the reference here is the per-row
+algorithm, frozen (reference_collate), and the batched one must equal it on generated batches; the golden
+masks hold fixed batches' masks on either path, on every numpy the project admits.
 """
 
+import functools
 import hashlib
 from collections.abc import Iterator
 
@@ -20,7 +23,7 @@ EDGES = [0, 1, 2**32 - 1, 2**32, 2**63 + 5, 2**64 - 1, 2**70 + 3]
 
 
 def entropies(rng: np.random.Generator, count: int) -> list[list[int]]:
-    """Lists default_rng would be given: 1 to 9 ints, each of 1 to 3 32-bit words, edges among them."""
+    """SeedSequence's entropy lists: 1 to 9 ints, each of 1 to 3 32-bit words, edges among them."""
     out = []
     for _ in range(count):
         out.append([int(rng.choice(EDGES)) if rng.random() < 0.3 else int(rng.integers(0, 2**63) >> rng.integers(0, 63))
@@ -34,7 +37,7 @@ def test_raw_draws_are_each_rows_own_generator() -> None:
     counts = rng.integers(0, 40, len(cases))
     raw = row_rng.raw_draws(cases, counts)
     for entropy, count, row in zip(cases, counts, raw, strict=True):
-        expected = np.random.default_rng(entropy).bit_generator.random_raw(int(count))
+        expected = row_rng.generator(entropy).bit_generator.random_raw(int(count))
         np.testing.assert_array_equal(row[:count], expected, err_msg=str(entropy))
 
 
@@ -45,7 +48,7 @@ def test_uniform_and_bounded_are_generator_random_and_integers(high: int) -> Non
     for entropy in entropies(np.random.default_rng(high), 50):
         doubles, n = 7, 24
         raw = row_rng.raw_draws([entropy], np.array([doubles + (n + 1) // 2]))[0]
-        generator = np.random.default_rng(entropy)
+        generator = row_rng.generator(entropy)
         np.testing.assert_array_equal(row_rng.uniform(raw[:doubles]), generator.random(doubles))
         pairs = raw[doubles + np.arange(n) // 2]
         values, rejected = row_rng.bounded(row_rng.halves(pairs), high)
@@ -58,7 +61,7 @@ def test_uniform_and_bounded_are_generator_random_and_integers(high: int) -> Non
 
 
 def reference_collate(collator: MaskingCollator, examples: list[dict]) -> tuple[np.ndarray, np.ndarray]:
-    """The per-row masking as the collator did it before batching (mlm_ddp <= 2026-11-28), frozen."""
+    """The per-row masking, one row and its generator at a time, frozen."""
     width = max(collator.pad_to, *(len(e["input_ids"]) for e in examples))
     inputs = np.full((len(examples), width), collator.pad_token_id, dtype=np.int64)
     labels = np.full((len(examples), width), IGNORE_INDEX, dtype=np.int64)
@@ -139,7 +142,7 @@ def test_a_row_whose_replacement_draw_is_rejected_asks_its_own_generator() -> No
     inputs, labels = mask_rows(ids, lengths, np.ones_like(ids, dtype=bool), cases, 3, replacement, 0.5,
                                mask_replace_prob=0.0, random_replace_prob=1.0)
     for row in rejected_rows:
-        generator = np.random.default_rng(cases[row])
+        generator = row_rng.generator(cases[row])
         selected = generator.random(width) < 0.5
         generator.random(width)
         draws = generator.integers(0, replacement.shape[0], width)
@@ -191,6 +194,7 @@ def splitmix64(state: int) -> Iterator[int]:
         yield z ^ (z >> 31)
 
 
+@functools.cache  # a collator of 1,073,746 ids takes ~1 s to build (its ordinary ids: setdiff1d)
 def golden_batch(name: str) -> tuple[MaskingCollator, list[dict]]:
     """The case's collator and rows: every fourth row of a random length up to the longest (0 among them), the
     others the longest; a tenth of the tokens special; each row's epoch its index mod 3."""
@@ -218,7 +222,103 @@ def masks_hash(batch: dict) -> str:
                           + batch["labels"].numpy().astype("<i8").tobytes()).hexdigest()
 
 
+@pytest.fixture
+def fresh_check() -> Iterator[None]:
+    """emulation_holds is cached per process: a test that changes what it finds checks afresh, and leaves no
+    finding behind."""
+    row_rng.emulation_holds.cache_clear()
+    yield
+    row_rng.emulation_holds.cache_clear()
+
+
+@pytest.mark.parametrize("path", ["emulation", "numpy's generators"])
 @pytest.mark.parametrize("name", sorted(GOLDEN_CASES))
-def test_the_masks_of_fixed_batches_are_the_golden_ones(name: str) -> None:
+def test_the_masks_of_fixed_batches_are_the_golden_ones(name: str, path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    if path == "emulation":
+        assert row_rng.emulation_holds(), row_rng.emulation_differs()
+    else:
+        monkeypatch.setattr(row_rng, "emulation_holds", lambda: False)
+    asked = []
+    generator = row_rng.generator
+    monkeypatch.setattr(row_rng, "generator", lambda entropy: asked.append(entropy) or generator(entropy))
     collator, examples = golden_batch(name)
     assert masks_hash(collator(examples)) == GOLDEN_MASKS[name], f"numpy {np.__version__} draws other masks"
+    if path == "emulation" and name == "rejections":
+        assert len(asked) == 1  # the batch's one row with a rejected draw asked its own generator
+    elif path == "emulation":
+        assert asked == []
+    else:
+        assert len(asked) == len(examples)
+
+
+def test_the_emulation_holds_on_the_installed_numpy_and_its_check_meets_a_rejection() -> None:
+    assert row_rng.emulation_differs() is None
+    assert row_rng.emulation_holds()
+    # the check compares Lemire's threshold only where some draw of its rows is rejected
+    count = len(row_rng.CHECK_ENTROPIES) * 2 * row_rng.CHECK_INTEGERS
+    raw = row_rng.raw_draws(row_rng.CHECK_ENTROPIES, np.full(len(row_rng.CHECK_ENTROPIES), count))
+    assert row_rng.bounded(row_rng.halves(raw[:, np.arange(count) // 2]), max(row_rng.CHECK_BOUNDS))[1].any()
+
+
+@pytest.mark.parametrize("high", [1, 6, 30518, 1_073_742, 2**31 + 1])
+def test_the_batched_draws_are_numpys_on_generated_rows(high: int) -> None:
+    """Counts of 0 among them; 2**31 + 1 sends about every row with integers to its own generator."""
+    rng = np.random.default_rng(high)
+    cases = entropies(rng, 40)
+    doubles, integers = rng.integers(0, 30, len(cases)), rng.integers(0, 30, len(cases))
+    batched, numpys = row_rng.batched_draws(cases, doubles, integers, high), row_rng.numpy_draws(
+        cases, doubles, integers, high)
+    for ours, theirs in zip(batched, numpys, strict=True):
+        np.testing.assert_array_equal(ours, theirs)
+
+
+def off_by_one_ulp(raw: np.ndarray) -> np.ndarray:
+    """An emulation of Generator.random that numpy's is not: each double one step up."""
+    return np.nextafter(np.asarray(raw >> np.uint64(11), dtype=np.float64) * (1.0 / 9007199254740992.0), 1.0)
+
+
+def test_an_emulation_that_differs_sends_every_batch_to_numpys_generators_with_one_line(
+        fresh_check: None, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setattr(row_rng, "uniform", off_by_one_ulp)
+    collator, examples = golden_batch("words")
+    wrong = row_rng.batched_draws([[1, 2]], np.array([3]), np.array([2]), 50)[0]
+    assert not np.array_equal(wrong, row_rng.numpy_draws([[1, 2]], np.array([3]), np.array([2]), 50)[0])
+    with caplog.at_level("WARNING", logger="mlm_ddp.data.row_rng"):
+        assert not row_rng.emulation_holds()
+        monkeypatch.setattr(row_rng, "batched_draws", None)  # never called again in this process
+        for name in GOLDEN_CASES:
+            collator, examples = golden_batch(name)
+            assert masks_hash(collator(examples)) == GOLDEN_MASKS[name], name
+    lines = [r.getMessage() for r in caplog.records if r.name == "mlm_ddp.data.row_rng"]
+    assert len(lines) == 1, lines
+    assert lines[0].startswith(f"numpy {np.__version__} computes Generator.random of SeedSequence([42, 0, 0, ")
+    assert "every row's masks are drawn by numpy's own PCG64, row by row (slower)" in lines[0]
+
+
+def test_a_numpy_whose_pcg64_draws_differ_masks_by_its_own_generator_and_misses_the_golden_masks(
+        fresh_check: None, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """A release whose PCG64 (here: PCG64DXSM standing for it) draws other numbers: the emulation no longer
+    holds, every row is masked by that generator (as reference_collate does it), and the golden masks fail."""
+    monkeypatch.setattr(row_rng, "generator", lambda entropy: np.random.Generator(
+        np.random.PCG64DXSM(np.random.SeedSequence(entropy))))
+    assert not row_rng.emulation_holds()
+    assert "PCG64's raw outputs of SeedSequence([42, 0, 0, 2134822173486100501])" in caplog.text
+    for name in ("bert", "words"):
+        collator, examples = golden_batch(name)
+        batch = collator(examples)
+        inputs, labels = reference_collate(collator, examples)
+        np.testing.assert_array_equal(batch["input_ids"].numpy(), inputs)
+        np.testing.assert_array_equal(batch["labels"].numpy(), labels)
+        assert masks_hash(batch) != GOLDEN_MASKS[name]
+
+
+def test_an_emulation_that_cannot_run_does_not_hold(fresh_check: None, monkeypatch: pytest.MonkeyPatch,
+                                                   caplog: pytest.LogCaptureFixture) -> None:
+    def moved(*args: object) -> None:
+        raise ValueError("state must be a dict")
+
+    monkeypatch.setattr(row_rng, "pool_states", moved)
+    assert not row_rng.emulation_holds()
+    assert "computes the emulation itself (ValueError: state must be a dict) otherwise" in caplog.text
+    collator, examples = golden_batch("bert")
+    assert masks_hash(collator(examples)) == GOLDEN_MASKS["bert"]
