@@ -202,9 +202,9 @@ def batched_draws(entropies: Sequence[Sequence[int]], doubles: np.ndarray, integ
     return uniforms, values
 
 
-# The rows the emulation is checked on: SeedSequence's edges (0; one word's top; two words; five ints, past
-# its pool of four words; three words; nine ints) and the collator's own form [seed, split, epoch, digest],
-# each with its own count of doubles (odd and even: the integers start in either half of the raw outputs).
+# The rows the emulation is checked on: the collator's own form [seed, split, epoch, digest], then
+# SeedSequence's edges (0; a word's top; values of two and three words; entropy past its pool of four words),
+# each with its own count of doubles (odd and even, so the integers start at an odd and an even raw output).
 CHECK_ENTROPIES: tuple[tuple[int, ...], ...] = (
     (42, 0, 0, 2134822173486100501), (0,), (2**32 - 1,), (2**32, 1, 2), (2**64 - 1, 2**63 + 5, 7, 9, 11),
     (2**70 + 3,), (1, 2, 3, 4, 5, 6, 7, 8, 9), (2**63 + 5, 1, 2, 2**64 - 1),
@@ -216,22 +216,23 @@ CHECK_INTEGERS = 24
 
 
 def emulation_differs() -> str | None:
-    """What of the emulation differs from numpy's own generators on CHECK_ENTROPIES, or None where nothing."""
+    """What of the emulation differs from numpy's own generators on CHECK_ENTROPIES; None where nothing does."""
     doubles = np.arange(len(CHECK_ENTROPIES)) + 7
-    raw = raw_draws(CHECK_ENTROPIES, doubles + CHECK_INTEGERS)  # (B, K): CHECK_INTEGERS outputs, twice the halves
+    # (B, K): the doubles, then twice the halves the integers need, for the draws a threshold rejects
+    raw = raw_draws(CHECK_ENTROPIES, doubles + CHECK_INTEGERS)
     for row, entropy in enumerate(CHECK_ENTROPIES):
         count = int(doubles[row]) + CHECK_INTEGERS
         if not np.array_equal(raw[row, :count], generator(entropy).bit_generator.random_raw(count)):
-            return f"PCG64's raw outputs of SeedSequence({list(entropy)})"
+            return f"PCG64's raw outputs of SeedSequence({list(entropy)}) differ"
         pairs = raw[row, doubles[row] + np.arange(2 * CHECK_INTEGERS) // 2]
         for high in CHECK_BOUNDS:
             rng = generator(entropy)
             if not np.array_equal(uniform(raw[row, : doubles[row]]), rng.random(int(doubles[row]))):
-                return f"Generator.random of SeedSequence({list(entropy)})"
+                return f"Generator.random of SeedSequence({list(entropy)}) differs"
             values, rejected = bounded(halves(pairs), high)
             accepted = values[~rejected][:CHECK_INTEGERS]  # numpy's values: the draws its threshold accepts
             if not np.array_equal(accepted, rng.integers(0, high, CHECK_INTEGERS)[: accepted.size]):
-                return f"Generator.integers(0, {high}) of SeedSequence({list(entropy)})"
+                return f"Generator.integers(0, {high}) of SeedSequence({list(entropy)}) differs"
     return None
 
 
@@ -242,10 +243,10 @@ def emulation_holds() -> bool:
     try:
         differs = emulation_differs()
     except Exception as err:  # noqa: BLE001 - an emulation that cannot run on this numpy does not hold
-        differs = f"the emulation itself ({type(err).__name__}: {err})"
+        differs = f"it raises {type(err).__name__}: {err}"
     if differs is not None:
-        logger.warning("numpy %s computes %s otherwise than mlm_ddp's emulation (mlm_ddp.data.row_rng): every "
-                       "row's masks are drawn by numpy's own PCG64, row by row (slower)", np.__version__, differs)
+        logger.warning("mlm_ddp's emulation of numpy's PCG64 (mlm_ddp.data.row_rng) does not hold on numpy %s: %s; "
+                       "every row's masks are drawn by numpy's own PCG64, row by row (slower)", np.__version__, differs)
     return differs is None
 
 
