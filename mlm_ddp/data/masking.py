@@ -41,8 +41,9 @@ def content_digest(token_ids: np.ndarray) -> int:
 
 
 def sample_rng(seed: int, split: int, epoch: int, token_ids: np.ndarray) -> np.random.Generator:
-    """The generator a sample's mask is drawn from (mask_rows draws the same numbers for a whole batch)."""
-    return np.random.default_rng([seed, split, epoch, content_digest(token_ids)])
+    """The generator a sample's mask is drawn from: numpy's PCG64 seeded by SeedSequence([seed, split, epoch,
+    digest]) (row_rng.generator; mask_rows draws the same numbers for a whole batch)."""
+    return row_rng.generator([seed, split, epoch, content_digest(token_ids)])
 
 
 def percent(rate: float) -> str:
@@ -73,14 +74,14 @@ def mask_rows(
     """Mask a batch of samples: returns (inputs, labels), both shaped like token_ids (B, W).
 
     Row b holds lengths[b] tokens (the rest is padding, left as it is) and draws from its own generator,
-    `np.random.default_rng(entropies[b])` (sample_rng): first one uniform per token, or with
-    word_continues one per word (at least one), selecting it below mlm_probability; then one uniform per
-    token, the action: a selected token becomes [MASK] below mask_replace_prob, a random ordinary token
-    (the third draw, one integer per token, indexes replacement_ids) below mask_replace_prob +
-    random_replace_prob, and stays itself otherwise (transformers' DataCollatorForLanguageModeling: both
-    are fractions of all selected tokens). Only maskable tokens are selected; a word starts at every
-    maskable token that does not continue (word_continues[b, t]) a maskable predecessor. Labels hold the
-    original id at selected positions and IGNORE_INDEX elsewhere.
+    numpy's PCG64 seeded by SeedSequence(entropies[b]) (sample_rng, row_rng.draws): first one uniform per
+    token, or with word_continues one per word (at least one), selecting it below mlm_probability; then
+    one uniform per token, the action: a selected token becomes [MASK] below mask_replace_prob, a random
+    ordinary token (the third draw, one integer per token, indexes replacement_ids) below
+    mask_replace_prob + random_replace_prob, and stays itself otherwise (transformers'
+    DataCollatorForLanguageModeling: both are fractions of all selected tokens). Only maskable tokens are
+    selected; a word starts at every maskable token that does not continue (word_continues[b, t]) a
+    maskable predecessor. Labels hold the original id at selected positions and IGNORE_INDEX elsewhere.
     """
     rows, width = token_ids.shape
     columns = np.arange(width)
@@ -93,24 +94,19 @@ def mask_rows(
         starts = maskable & ~(word_continues & prev_maskable)
         word_index = np.cumsum(starts, axis=1) - 1  # (B, W) index of the word each token belongs to
         firsts = np.maximum(starts.sum(axis=1), 1)
-    # each row's draws in order: selection, action, then 32-bit halves for the replacement integers
-    raw = row_rng.raw_draws(entropies, firsts + lengths + (lengths + 1) // 2)  # (B, K) uint64
+    # each row's draws in order: selection and action doubles, then one integer per token for the replacement
+    uniforms, integers = row_rng.draws(entropies, firsts + lengths, lengths, replacement_ids.shape[0])  # (B, D), (B, N)
 
-    def at(offsets: np.ndarray, steps: np.ndarray = columns) -> np.ndarray:  # (B, W): raw[b, offsets[b] + steps[t]]
-        return np.take_along_axis(raw, np.minimum(offsets[:, None] + steps, raw.shape[1] - 1), axis=1)
+    def at(table: np.ndarray, offsets: np.ndarray) -> np.ndarray:  # (B, W): table[b, offsets[b] + t]
+        return np.take_along_axis(table, np.minimum(offsets[:, None] + columns, table.shape[1] - 1), axis=1)
 
     if word_continues is None:
-        selected = maskable & (row_rng.uniform(at(np.zeros_like(lengths))) < mlm_probability)
+        selected = maskable & (at(uniforms, np.zeros_like(lengths)) < mlm_probability)
     else:
-        chosen_words = row_rng.uniform(raw[:, : int(firsts.max())]) < mlm_probability  # (B, words)
+        chosen_words = uniforms[:, : int(firsts.max())] < mlm_probability  # (B, words)
         selected = maskable & np.take_along_axis(chosen_words, np.clip(word_index, 0, chosen_words.shape[1] - 1), 1)
-    action = row_rng.uniform(at(firsts))
-    draws, rejected = row_rng.bounded(row_rng.halves(at(firsts + lengths, columns // 2)), replacement_ids.shape[0])
-    for row in np.flatnonzero((rejected & (columns < lengths[:, None])).any(axis=1)):
-        # a draw Lemire's method rejects shifts the rest of its row: that row asks its generator (rare)
-        generator = np.random.default_rng(entropies[row])
-        generator.random(int(firsts[row] + lengths[row]))
-        draws[row, : lengths[row]] = generator.integers(0, replacement_ids.shape[0], int(lengths[row]))
+    action = at(uniforms, firsts)
+    draws = at(integers, np.zeros_like(lengths))
     inputs = token_ids.copy()
     to_mask = selected & (action < mask_replace_prob)
     to_random = selected & (action >= mask_replace_prob) & (action < mask_replace_prob + random_replace_prob)
@@ -153,6 +149,7 @@ class MaskingCollator:
 
     def __post_init__(self) -> None:
         check_masking(self.mlm_probability, self.mask_replace_prob, self.random_replace_prob)
+        row_rng.emulation_holds()  # checked (and said, where it does not hold) as the collator is built, not mid-run
         self._special = np.asarray(sorted(set(self.special_ids)), dtype=np.int64)
         self._replacement_ids = np.setdiff1d(np.arange(self.vocab_size, dtype=np.int64), self._special)
         # a table, not np.isin: isin sorts on every call, ~25 us of a row's ~85 us (a 256 x 128 batch took ~33 ms)
