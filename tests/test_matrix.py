@@ -1,4 +1,4 @@
-"""Generated configurations and the properties every run must keep (DESIGN.md pitfall 12).
+"""Generated configurations and the properties every run must keep (docs/design.md, pitfall 12).
 
 Over map-style and streamed data and mixtures of two sources, 1 and 2 processes, accumulation 1 to 4,
 data so small that some rank gets fewer micro-batches than a window, checkpoints by steps and by epoch,

@@ -77,7 +77,7 @@ class CountSyncs(TorchDispatchMode):
 class CountCopies(TorchFunctionMode):
     """Tensors made from Python data (torch.tensor, as_tensor, new_tensor of a list or a number) outside the
     host side, into `copies`: on a GPU each is a copy from pageable host memory that waits for the device
-    (DESIGN.md, pitfall 15), which the dispatch mode cannot see. And `.tolist()`, into `syncs`: a dispatch
+    (docs/design.md, pitfall 15), which the dispatch mode cannot see. And `.tolist()`, into `syncs`: a dispatch
     mode does not see it on a CPU."""
 
     FROM_DATA = (torch.tensor, torch.as_tensor, torch.Tensor.new_tensor)

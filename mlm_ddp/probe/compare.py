@@ -1,7 +1,7 @@
 """Like with like, and the change with its uncertainty: what makes two probe figures comparable
 (`settings`), and after - before of two comparable ones (`change`).
 
-A probe's figure is a measurement with an error (DESIGN.md, pitfall 20): the test set is a sample of the
+A probe's figure is a measurement with an error (docs/design.md, pitfall 20): the test set is a sample of the
 texts the task will see, and each seed (a subsample of the training texts, a fine-tune's draws) is one draw
 of many. So a change is reported paired (the same subsamples, seeds and test texts for both models, which
 removes what the two share) with a 95% interval for the change's expectation over both: new test texts from

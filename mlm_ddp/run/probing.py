@@ -9,7 +9,7 @@ per-seed predictions); a resumed run reuses it only where its settings are today
 `before` again, with today's settings, on the starting model.
 
 The probe runs on the main process alone; the others wait for its figures in the gloo group of
-`MainProcessWait`, whose timeout is the patient `--save_timeout` (DESIGN.md, pitfall 14), so a long probe
+`MainProcessWait`, whose timeout is the patient `--save_timeout` (docs/design.md, pitfall 14), so a long probe
 never trips `--ddp_timeout`. A probe that fails says why and the run goes on: the model it scores is
 already saved. The files are checked in preflight (`check`), before anything is written.
 
