@@ -35,7 +35,7 @@ FORBIDDEN = [
     ("data", "cluster.heartbeat", "data/ is handed the heartbeat's collective, never imports it"),
     ("model", "cluster.watchdog", "model/ knows nothing of the hang watchdog"),
     ("model", "cluster.heartbeat", "model/ knows nothing of heartbeats"),
-    ("model", "data", "the model knows no data (docs/design.md, "The parts")"),
+    ("model", "data", "the model knows no data (docs/design.md, 'The parts')"),
     ("loop", "run", "the loop sits below the run's outputs: report, log, folder"),
 ]
 
