@@ -5,15 +5,22 @@ callers rely on, on the installed stack."""
 
 from __future__ import annotations
 
+import os
+import pickle
+import subprocess
+import sys
 import types
+from pathlib import Path
 
 import pytest
 import torch
 
 from mlm_ddp import compat
+from mlm_ddp.cluster import flight
 from mlm_ddp.compat import accelerate as compat_accelerate
 from mlm_ddp.compat import torch as compat_torch
 from mlm_ddp.errors import BadInput
+from tests.conftest import REPO
 
 
 def refusal(library: str) -> str:
@@ -146,3 +153,43 @@ def test_the_launch_arguments_as_accelerate_reads_them() -> None:
     assert read is not None and (read.config_file, read.mixed_precision) == ("x.yaml", None)
     assert compat_accelerate.launch_arguments(["--num_processes", "two", "train.py"]) is None
     assert compat_accelerate.default_config_file().endswith(".yaml")
+
+
+GROUP_OF_ONE = """
+import os, sys
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from mlm_ddp.cluster import flight, watchdog
+from mlm_ddp.cluster.collectives import patient_collectives
+
+dist.init_process_group("gloo", store=dist.FileStore(sys.argv[1], 1), rank=0, world_size=1,
+                        timeout=timedelta(seconds=5))
+with patient_collectives(7, 5):
+    dist.all_reduce(torch.ones(1))
+dist.all_reduce(torch.ones(1))
+store, _ = watchdog.store_of_process_group()
+store.set("mlm_ddp/probe", "answered")
+print(store.get("mlm_ddp/probe").decode(), flight.dump(os.environ, 0))
+dist.destroy_process_group()
+"""
+
+
+def test_a_group_of_one_changes_its_timeout_answers_from_its_store_and_dumps_its_collectives(tmp_path: Path) -> None:
+    """In a process of its own (torch reads the Flight Recorder's settings once per process): a gloo group
+    whose collectives wait 7 s inside `patient_collectives` and 5 s after it, as the recorder's entries say;
+    the watchdog's store of the group answers; the dump is the recorder's, where flight.py writes it."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "TORCH_FR_BUFFER_SIZE": "100",
+           "TORCH_FR_DUMP_TEMP_FILE": str(tmp_path / "flight_recorder" / "rank_")}
+    (tmp_path / "flight_recorder").mkdir()
+    done = subprocess.run([sys.executable, "-c", GROUP_OF_ONE, str(tmp_path / "store")], env=env, cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    answered, path = done.stdout.split()
+    assert answered == "answered" and Path(path) == tmp_path / "flight_recorder" / "rank_0"
+    trace = pickle.loads(Path(path).read_bytes())
+    waits = [entry["timeout_ms"] for entry in trace["entries"] if "all_reduce" in entry["profiling_name"]]
+    assert waits == [7000, 5000], trace["entries"]
+    assert flight.last_collectives(trace) and flight.summary(tmp_path).startswith("flight recorder: only rank 0")
