@@ -34,7 +34,9 @@ def set_group_timeout(timeout: timedelta, group: Any = None) -> None:
 
 def default_store() -> Any:
     """The store the default process group was formed on, as the group holds it (its prefixes included).
-    torch hands it out publicly only as `ProcessGroup.get_group_store()`, which releases below 2.6 lack."""
+    Its public counterpart, `ProcessGroup.get_group_store()`, came with torch's group splitting, after the
+    torch floor pyproject declares; the store `join_process_group` made is not at hand where the group was
+    kept from an earlier run of the process."""
     return importlib.import_module(C10D)._get_default_store()
 
 

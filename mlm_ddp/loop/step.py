@@ -133,9 +133,8 @@ def train_step(accelerator: Accelerator, model: torch.nn.Module, optimizer: torc
         # fp16: the scaler skips the update when the gradients hold inf/NaN, and then halves its scale. With a
         # fused AdamW it calls optimizer.step anyway and the kernel skips (found_inf), so accelerate's
         # step_was_skipped stays False: the scale tells. It stays on the device, read with the next step's
-        # all-reduce, which also tells an overflow (every rank's loss finite) from a non-finite loss
-        # torch's GradScaler, which accelerate gives DDP and FSDP2 alike: its scale tensor itself, on the device
-        # (`get_scale()` reads it back, a host sync)
+        # all-reduce, which also tells an overflow (every rank's loss finite) from a non-finite loss. The scale is
+        # torch's GradScaler's own tensor (accelerate's scaler for DDP and FSDP2 alike): `get_scale()` is a host sync
         before = loss_scale(accelerator.scaler).clone()
         optimizer.step()
         stepped = loss_scale(accelerator.scaler) >= before
