@@ -18,6 +18,8 @@ from mlm_ddp.cluster.generation import KEY_ROOT, agree_generation, stop_now_on
 from mlm_ddp.cluster.heartbeat import diagnose
 from mlm_ddp.cluster.launcher import Topology, check_accelerator, cpu_threads_per_process, detect, export_for_accelerate
 from mlm_ddp.cluster.precision import agree_precision, fsdp2_policy
+from mlm_ddp.compat import accelerate as compat_accelerate
+from mlm_ddp.compat import torch as compat_torch
 
 
 def keep_fsdp_on_cpu(accelerator: Any, plugin: Any) -> bool:
@@ -29,15 +31,11 @@ def keep_fsdp_on_cpu(accelerator: Any, plugin: Any) -> bool:
     distributed type and plugin, which carries `fsdp2_policy` already) before anything is prepared.
     Returns whether it did. FSDP1 needs a GPU: `check_fsdp_plugin` refuses it first.
     """
-    from accelerate.state import PartialState
     from accelerate.utils import DistributedType
 
     if plugin is None or accelerator.distributed_type != DistributedType.MULTI_CPU:
         return False
-    accelerator.state.fsdp_plugin = plugin
-    # both states, as AcceleratorState.__init__ does: every later AcceleratorState() copies PartialState's
-    accelerator.state.distributed_type = DistributedType.FSDP
-    PartialState().distributed_type = DistributedType.FSDP
+    compat_accelerate.train_fsdp(accelerator, plugin)
     return True
 
 
@@ -140,9 +138,7 @@ class MainProcessWait:
     def set_timeout(self, timeout_s: int) -> None:
         """The timeout of this group's later collectives."""
         if self.group is not None:
-            from torch.distributed import distributed_c10d
-
-            distributed_c10d._set_pg_timeout(timedelta(seconds=timeout_s), self.group)
+            compat_torch.set_group_timeout(timedelta(seconds=timeout_s), self.group)
 
     def close(self) -> None:
         if self.group is not None:
@@ -277,7 +273,6 @@ def join_process_group(topo: Topology, timeouts: Timeouts) -> tuple[MainProcessW
 
     import torch.distributed as dist
     from accelerate import PartialState
-    from torch.distributed import distributed_c10d
 
     # never shorter than before this flag existed: a user who raised --ddp_timeout for a slow start keeps it
     waited = max(timeouts.rendezvous, timeouts.ddp)
@@ -298,8 +293,8 @@ def join_process_group(topo: Topology, timeouts: Timeouts) -> tuple[MainProcessW
         raise dist.DistError(f"not every process joined within {waited} s (--rendezvous_timeout, or --ddp_timeout "
                              f"where longer): {type(err).__name__}: {str(err).strip()[:200]}") from err
     wait.set_timeout(timeouts.save)
-    distributed_c10d._get_default_store().set_timeout(timedelta(seconds=timeouts.ddp))
-    distributed_c10d._set_pg_timeout(timedelta(seconds=timeouts.ddp))
+    compat_torch.default_store().set_timeout(timedelta(seconds=timeouts.ddp))
+    compat_torch.set_group_timeout(timedelta(seconds=timeouts.ddp))
     return wait, scope
 
 
@@ -331,17 +326,15 @@ def patient_collectives(timeout_s: int, usual_s: int) -> Iterator[None]:
     load: FSDP's and torch.distributed.checkpoint's collectives run on that group, and one slow shard write
     must not trip --ddp_timeout, after which NCCL's watchdog ends every process), `usual_s` again after."""
     import torch.distributed as dist
-    from torch.distributed import distributed_c10d
 
-    change = getattr(distributed_c10d, "_set_pg_timeout", None)  # torch >= 2.2; without it: --ddp_timeout
-    if not dist.is_initialized() or change is None or timeout_s <= usual_s:
+    if not dist.is_initialized() or timeout_s <= usual_s:
         yield
         return
-    change(timedelta(seconds=timeout_s))
+    compat_torch.set_group_timeout(timedelta(seconds=timeout_s))
     try:
         yield
     finally:
-        change(timedelta(seconds=usual_s))
+        compat_torch.set_group_timeout(timedelta(seconds=usual_s))
 
 
 @contextmanager

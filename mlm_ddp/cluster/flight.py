@@ -18,6 +18,7 @@ from collections.abc import MutableMapping
 from pathlib import Path
 
 from mlm_ddp.cluster.durable import write_atomic
+from mlm_ddp.compat.torch import flight_recorder_dump
 
 FOLDER = "flight_recorder"
 PREFIX = "rank_"
@@ -48,18 +49,16 @@ def make_folder(env: MutableMapping[str, str]) -> None:
 def dump(env: MutableMapping[str, str], rank: int) -> Path | None:
     """This process's recorded collectives (every backend's) into `TORCH_FR_DUMP_TEMP_FILE` + rank, the file
     NCCL writes on its own timeout (gloo writes none; an earlier attempt's is replaced); None where the
-    recorder is off or cannot be read."""
+    recorder is off, cannot be read, or the file cannot be written."""
     prefix = env.get("TORCH_FR_DUMP_TEMP_FILE")
-    try:
-        from torch._C._distributed_c10d import _dump_fr_trace
-
-        if not prefix:
-            return None
-        path = Path(f"{prefix}{rank}")
-        write_atomic(path, _dump_fr_trace())
-        return path
-    except (ImportError, RuntimeError, OSError):
+    if not prefix:
         return None
+    path = Path(f"{prefix}{rank}")
+    try:
+        write_atomic(path, flight_recorder_dump())
+    except (RuntimeError, OSError):
+        return None
+    return path
 
 
 def last_collectives(trace: dict) -> dict[str, tuple[int, str]]:

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from mlm_ddp.cluster.launcher import Topology
+from mlm_ddp.compat import accelerate as compat_accelerate
+from mlm_ddp.compat import torch as compat_torch
 
 
 def agree_precision(mine: tuple[str, str], rank: int, gather: Callable[[Any], list[Any]]) -> tuple[str, str]:
@@ -73,19 +75,13 @@ def said_no(argv: list[str]) -> str | None:
     starts = [i for i, part in enumerate(argv) if part == "launch" or part.endswith("accelerate.commands.launch")]
     if not starts:
         return None
-    from accelerate.commands.launch import launch_command_parser
-
-    try:  # accelerate's own parser: the training script's flags (ours) come after its script or -m module
-        launch, _ = launch_command_parser().parse_known_args(argv[starts[0] + 1:])
-    except SystemExit:
+    # accelerate's own parser: the training script's flags (ours) come after its script or -m module
+    launch = compat_accelerate.launch_arguments(argv[starts[0] + 1:])
+    if launch is None:
         return None
     if launch.mixed_precision == "no":
         return "accelerate launch --mixed_precision no"
-    config = launch.config_file
-    if config is None:
-        from accelerate.commands.config import default_config_file
-
-        config = default_config_file
+    config = launch.config_file if launch.config_file is not None else compat_accelerate.default_config_file()
     try:
         with open(config) as handle:
             loaded = yaml.safe_load(handle) or {}
@@ -116,16 +112,13 @@ def hardware(topo: Topology) -> Hardware:
 
 
 def cpu_computes_bf16() -> bool:
+    """This CPU computes bf16 natively: AVX512-BF16 or AMX on x86; elsewhere oneDNN's own test (on Arm the bf16
+    instructions: it emulates nothing there)."""
     import platform
 
-    import torch
-
     if platform.machine().lower() in ("x86_64", "amd64", "i386", "i686"):
-        avx512_bf16 = getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
-        amx = getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
-        return bool(avx512_bf16() or amx())
-    # oneDNN's own test on Arm: the bf16 instructions (it emulates nothing there)
-    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        return compat_torch.cpu_has_avx512_bf16() or compat_torch.cpu_has_amx_tile()
+    return compat_torch.onednn_computes_bf16()
 
 
 def auto_precision(hw: Hardware) -> tuple[str, str]:

@@ -36,6 +36,7 @@ from typing import Any, NoReturn, Protocol
 
 from mlm_ddp.cluster.durable import write_atomic
 from mlm_ddp.cluster.heartbeat import ALIVE_EVERY_S, FOLDER, Beat
+from mlm_ddp.compat.torch import default_store
 from mlm_ddp.errors import say
 
 # a live peer publishes every ALIVE_EVERY_S from a thread that touches no file: ten missed ticks are a
@@ -165,11 +166,10 @@ def store_of_process_group() -> tuple[Store, str] | None:
     """A connection of this process's own to the default process group's store, and where it is (None
     without a group): the main thread keeps its connection, and the alive thread never queues behind it."""
     import torch.distributed as dist
-    from torch.distributed import distributed_c10d
 
     if not dist.is_initialized():
         return None
-    store = distributed_c10d._get_default_store()
+    store = default_store()
     where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
     try:
         store = store.clone()

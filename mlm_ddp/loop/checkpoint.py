@@ -27,10 +27,14 @@ from typing import Any
 
 import yaml
 from accelerate.logging import get_logger
+from accelerate.utils import OPTIMIZER_NAME, RNG_STATE_NAME, SAFE_WEIGHTS_NAME
+from accelerate.utils.constants import FSDP_MODEL_NAME
 
 from mlm_ddp.cluster.collectives import patient_collectives
 from mlm_ddp.cluster.durable import fsync_dir, fsync_tree
 from mlm_ddp.cluster.heartbeat import PhaseReport, unreported
+from mlm_ddp.compat.accelerate import set_micro_batch_count
+from mlm_ddp.compat.torch import DCP_METADATA_PRIVATE
 from mlm_ddp.config import RunConfig
 from mlm_ddp.errors import BadInput, CheckpointWriteError
 from mlm_ddp.loop.schedule import check_continuation, continue_schedule
@@ -40,12 +44,14 @@ MARKER = "COMPLETE"
 STATE_FILE = "trainer_state.json"
 SCHEDULER_FILE = "scheduler.json"
 SAFE_LOADING_TORCH = (2, 4)  # pyproject's torch floor; tests/test_neighbours.py checks they agree
+# what accelerate's save_state writes (accelerate's own names): without FSDP model 0's weights and optimizer 0's
+# state, one file each; every rank's RNG states
+WEIGHTS_FILE, OPTIMIZER_FILE = SAFE_WEIGHTS_NAME, f"{OPTIMIZER_NAME}.bin"
 # FSDP with SHARDED_STATE_DICT: accelerate's folders for model 0 and optimizer 0, each a
 # torch.distributed.checkpoint folder
-SHARDED_DIRS = ("pytorch_model_fsdp_0", "optimizer_0")
+SHARDED_DIRS = (f"{FSDP_MODEL_NAME}_0", f"{OPTIMIZER_NAME}_0")
 DCP_METADATA = ".metadata"
-DCP_METADATA_GLOBALS = {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("pathlib", "PosixPath"),
-                        ("torch.serialization", "_get_layout")}
+DCP_METADATA_GLOBALS = {("pathlib", "PosixPath"), *DCP_METADATA_PRIVATE}
 _STEP_DIR = re.compile(r"^step-(\d{7,})$")
 
 
@@ -131,6 +137,11 @@ def read_state(path: Path) -> TrainerState:
         raise BadInput(f"{path / STATE_FILE}: unreadable trainer state ({err})") from err
 
 
+def rng_file(rank: int) -> str:
+    """The file of rank `rank`'s RNG states in a checkpoint (accelerate's save_state writes one per rank)."""
+    return f"{RNG_STATE_NAME}_{rank}.pkl"
+
+
 def check_safe_loading(torch_version: str) -> None:
     """Refuse to resume where a checkpoint's pickles would be fully unpickled: accelerate loads
     `optimizer.bin` and `random_states_*.pkl` with `weights_only=True` only from torch 2.4 on."""
@@ -148,7 +159,7 @@ def state_files(world_size: int, sharded: bool) -> list[str]:
     optimizer.bin. FSDP (SHARDED_STATE_DICT): one torch.distributed.checkpoint folder each for the model
     and the optimizer, with its metadata and one shard file per rank."""
     if not sharded:
-        return ["model.safetensors", "optimizer.bin"]
+        return [WEIGHTS_FILE, OPTIMIZER_FILE]
     return [f"{folder}/{name}" for folder in SHARDED_DIRS
             for name in (DCP_METADATA, *(f"__{rank}_0.distcp" for rank in range(world_size)))]
 
@@ -200,7 +211,7 @@ def check_files(path: Path, world_size: int, sharded: bool) -> tuple[TrainerStat
             f"with {state.world_size} process(es), or train with DDP to resume on another number"
         )
     expected = [STATE_FILE, SCHEDULER_FILE, "config.yaml", *state_files(state.world_size, sharded),
-                *(f"random_states_{rank}.pkl" for rank in range(state.world_size))]
+                *(rng_file(rank) for rank in range(state.world_size))]
     missing = [name for name in expected if not (path / name).is_file()]
     if missing:
         raise BadInput(f"{path}: not a checkpoint of this mlm_ddp version, or damaged: missing "
@@ -238,7 +249,7 @@ def written_by_rank(path: Path, rank: int) -> bool:
     """The files of a checkpoint that rank `rank` writes: its RNG states, its stream position, its
     FSDP shards. On a network filesystem only the writer's fsync makes them durable, so each rank
     fsyncs its own before the main process marks the checkpoint complete."""
-    return path.name in (f"random_states_{rank}.pkl", data_state_name(rank), f"__{rank}_0.distcp")
+    return path.name in (rng_file(rank), data_state_name(rank), f"__{rank}_0.distcp")
 
 
 def finalize(tmp: Path, state: TrainerState, config_yaml: str,
@@ -445,20 +456,21 @@ class Checkpointer:
             jump = check_continuation(self.scheduler, schedule, accepted_changes, self.allow_lr_jump)
             if jump:
                 logger.warning(jump)
-            optimizers = self.accelerator._optimizers
-            flags = [implementation(optimizer) for optimizer in optimizers]
+            # the optimizer the schedule steps, the one accelerate prepared (and load_state loads): this run's
+            # --optimizer_impl is put back over the checkpoint's
+            optimizer = self.scheduler.optimizer
+            flags = implementation(optimizer)
             with self.patient():
                 self.accelerator.load_state(str(path))
                 # every rank waits here for the slowest load (a whole DDP checkpoint from a busy network
                 # filesystem), under --save_timeout: the first collective after it waits only --ddp_timeout
                 self.accelerator.wait_for_everyone()
-            for optimizer, own in zip(optimizers, flags, strict=True):  # this run's --optimizer_impl
-                restore_implementation(optimizer, own)
+            restore_implementation(optimizer, flags)
             # its step count only: this run's schedule (schedule.py) sets the rate from there
             continue_schedule(self.scheduler, schedule)
             # accelerate restores its micro-batch counter, which decides the micro-batch that all-reduces
             # the gradients: recount it for this run's accumulation (a resume may change it)
-            self.accelerator.step = step * self.accelerator.gradient_accumulation_steps
+            set_micro_batch_count(self.accelerator, step * self.accelerator.gradient_accumulation_steps)
         except (torch.distributed.DistError, BadInput):
             raise
         except Exception as err:  # safetensors, torch.load and load_state_dict each have their own types

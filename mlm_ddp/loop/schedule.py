@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from transformers import get_scheduler, get_wsd_schedule
 
+from mlm_ddp.compat.torch import LAST_LR, STEP_COUNT
 from mlm_ddp.config import TrainingConfig
 from mlm_ddp.errors import BadInput
 
@@ -70,7 +71,7 @@ def check_continuation(scheduler: torch.optim.lr_scheduler.LambdaLR, saved: dict
     longer run moves a cosine or linear decay under way back up (step 95 of 100 at 0.05 x the peak becomes
     0.53 x with 200 steps), a warm-up given as a fraction moves. Refused, or with --allow_lr_jump the
     warning to log; None where the rates agree (or the checkpoint, from an older mlm_ddp, holds none)."""
-    before = saved.get("_last_lr")
+    before = saved.get(LAST_LR)
     if not before:
         return None
     step = int(saved["last_epoch"])
@@ -95,16 +96,17 @@ def continue_schedule(scheduler: torch.optim.lr_scheduler.LambdaLR, saved: dict[
     """Take up a saved schedule's step count, and nothing else: this run's schedule (built from its own
     config, which a decay branch or a longer --max_train_steps changes) sets the rate from that step on.
     Loading the whole state would keep the saved run's rate for the first step after the resume (its
-    optimizer's groups hold it)."""
+    optimizer's groups hold it): this schedule's own state, with the saved step count, is loaded instead."""
     step = int(saved["last_epoch"])
-    scheduler.last_epoch, scheduler._step_count = step, int(saved.get("_step_count", step + 1))
     rates = rates_at(scheduler, step)
     for group, rate in zip(scheduler.optimizer.param_groups, rates, strict=True):
         group["lr"] = rate
-    scheduler._last_lr = rates
+    state = scheduler.state_dict()
+    state.update({"last_epoch": step, STEP_COUNT: int(saved.get(STEP_COUNT, step + 1)), LAST_LR: rates})
+    scheduler.load_state_dict(state)
 
 
 def at_peak(saved: dict[str, Any]) -> bool:
     """A saved schedule whose rate after its last step is its peak in every parameter group (the
     stable phase of warmup_stable_decay, or the first step of its decay)."""
-    return saved.get("_last_lr") == saved.get("base_lrs") and bool(saved.get("base_lrs"))
+    return saved.get(LAST_LR) == saved.get("base_lrs") and bool(saved.get("base_lrs"))

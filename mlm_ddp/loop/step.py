@@ -17,12 +17,12 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 from accelerate import Accelerator
 from accelerate.logging import get_logger
 
+from mlm_ddp.compat.torch import loss_scale, skipped_where_found_inf
 from mlm_ddp.data.masking import IGNORE_INDEX
 from mlm_ddp.errors import NonFiniteLoss
 from mlm_ddp.loop.checkpoint import StopSignals
@@ -95,13 +95,6 @@ def skips_on_device(accelerator: Accelerator, optimizer: torch.optim.Optimizer) 
             and all(group.get("fused") for group in inner.param_groups))
 
 
-def loss_scale(scaler: Any) -> torch.Tensor:
-    """The gradient scaler's current scale, the tensor itself on its device (`get_scale()` would read it
-    back: a host sync). torch's GradScaler, which accelerate gives DDP and FSDP2 alike, keeps it in `_scale`
-    and changes it in place (`update`)."""
-    return scaler._scale
-
-
 def train_step(accelerator: Accelerator, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                window: list[Batch], masked_total: torch.Tensor, max_grad_norm: float | None,
                phase: Callable[[str], None] | None = None, guard: LossSpikeGuard | None = None,
@@ -140,7 +133,8 @@ def train_step(accelerator: Accelerator, model: torch.nn.Module, optimizer: torc
         # fp16: the scaler skips the update when the gradients hold inf/NaN, and then halves its scale. With a
         # fused AdamW it calls optimizer.step anyway and the kernel skips (found_inf), so accelerate's
         # step_was_skipped stays False: the scale tells. It stays on the device, read with the next step's
-        # all-reduce, which also tells an overflow (every rank's loss finite) from a non-finite loss
+        # all-reduce, which also tells an overflow (every rank's loss finite) from a non-finite loss. The scale is
+        # torch's GradScaler's own tensor (accelerate's scaler for DDP and FSDP2 alike): `get_scale()` is a host sync
         before = loss_scale(accelerator.scaler).clone()
         optimizer.step()
         stepped = loss_scale(accelerator.scaler) >= before
@@ -151,11 +145,8 @@ def train_step(accelerator: Accelerator, model: torch.nn.Module, optimizer: torc
         # sync: a replicated one's local value, or an all-reduce of a partial one)
         norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
         finite = torch.isfinite(norm)
-        optimizer.optimizer.found_inf = (~finite).float()
-        try:
+        with skipped_where_found_inf(optimizer.optimizer, (~finite).float()):
             optimizer.step()
-        finally:
-            del optimizer.optimizer.found_inf
         stepped = finite
     else:
         stepped = bool(torch.isfinite(norm))
