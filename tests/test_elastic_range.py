@@ -121,7 +121,7 @@ def test_without_the_setting_the_split_store_is_said_as_such_naming_the_setting(
     assert said["A"].count(warning) == 1 and said["C"].count(warning) >= 1 and warning not in said["B"], everything
     assert re.search(rf"^.*{warning}.*export {SETTING}=1 on every node.*$", said["C"], re.MULTILINE)
     # B's worker, handed the lost agent's store, ends at once with the split store named
-    split = re.findall(rf"^mlm_ddp.train: error: split store: rank 1 \(node 1\) was handed the store 127.0.0.1:\d+ "
+    split = re.findall(rf"^mlm_ddp.train: error: split store: rank 1 \(node 1\) was handed the store \S+:\d+ "
                        rf"by its torchrun agent, and nothing listens there \(Connection refused\).*export {SETTING}=1 "
                        "on every node.*$", said["B"], re.MULTILINE)
     assert split, said["B"][-4000:]
