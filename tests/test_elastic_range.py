@@ -140,6 +140,7 @@ AGENT = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": 
     (["torchrun", "--nnodes", "2", "train.py"], {"PET_NNODES": "2:8"}, None),  # the flag wins
     (["torchrun", "--nnodes", "3:3", "train.py"], {}, None),
     (["torchrun", "--nproc_per_node", "2", "train.py"], {}, None),
+    (["torchrun", "--nnodes", "2:3", "--nnodes=4", "train.py"], {}, None),  # the last one wins, as in argparse
 ])
 def test_the_node_range_is_read_from_the_agents_command_line(argv: list[str], env: dict,
                                                              expected: tuple | None) -> None:
@@ -181,7 +182,8 @@ def test_an_agent_store_that_refuses_connections_is_a_split_store_and_one_that_a
 
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     env = {**AGENT, "RANK": "1", "GROUP_RANK": "1", "MASTER_PORT": str(store.port)}
-    launcher.check_agent_store(launcher.detect(env, cuda_devices=0, argv=[]), env)
+    c10d = ["torchrun", "--nnodes", "2:3", "--rdzv-backend=c10d"]
+    launcher.check_agent_store(launcher.detect(env, cuda_devices=0, argv=[]), env, c10d)
     TCPStore("127.0.0.1", store.port, is_master=False).set("after", "probe")  # the probe left it serving
     assert store.get("after") == b"probe"
     gone = free_port()
@@ -190,7 +192,13 @@ def test_an_agent_store_that_refuses_connections_is_a_split_store_and_one_that_a
                                        rf"its torchrun agent, and nothing listens there \(Connection refused\): .*; "
                                        rf"export {SETTING}=1 on every node \(a store per start, hosted by rank 0's "
                                        r"worker\)$"):
-        launcher.check_agent_store(launcher.detect(env, cuda_devices=0, argv=[]), env, attempts=1)
+        launcher.check_agent_store(launcher.detect(env, cuda_devices=0, argv=[]), env, c10d, attempts=1)
     # the workers of a store per start may come before rank 0's worker hosts it: not checked
     launcher.check_agent_store(launcher.detect(env, cuda_devices=0, argv=[]),
-                               {**env, "TORCHELASTIC_USE_AGENT_STORE": "False"}, attempts=1)
+                               {**env, "TORCHELASTIC_USE_AGENT_STORE": "False"}, c10d, attempts=1)
+    # nor under the static rendezvous (accelerate launch, slurm/multinode.sh), whose nodes keep their ranks
+    for static in (["accelerate", "launch", "--rdzv_backend", "static"], ["torchrun", "--nnodes", "2"]):
+        launcher.check_agent_store(launcher.detect(env, cuda_devices=0, argv=[]), env, static, attempts=1)
+    with pytest.raises(BadInput, match="^split store: "):  # c10d given through torchrun's variable
+        launcher.check_agent_store(launcher.detect(env, cuda_devices=0, argv=[]),
+                                   {**env, "PET_RDZV_BACKEND": "c10d"}, ["torchrun"], attempts=1)

@@ -5,9 +5,9 @@ Slurm job it belongs to, why we think so, and which launcher settings are likely
 `requeue()` puts that job back in Slurm's queue; `export_for_accelerate()`, just before the process group
 forms, says those settings on rank 0, refuses a torchrun store that is gone (a split store) and fills in
 the torchrun-style variables that Accelerate reads when processes were started by `srun` or Submitit
-instead of torchrun. `python -m mlm_ddp.distributed`
-prints the topology (with `--connect`, proves the processes can talk; with `--diagnose`, names the rank
-of a run that stopped first): the first thing to run when a cluster job misbehaves.
+instead of torchrun. `python -m mlm_ddp.distributed` prints the topology (with `--connect`, proves the
+processes can talk; with `--diagnose`, names the rank of a run that stopped first): the first thing to
+run when a cluster job misbehaves.
 
 Beside it: precision.py (which mixed precision the job trains in, and what the launcher said about it),
 collectives.py (the process group: the Accelerator, side groups with patient timeouts, collectives).
@@ -139,17 +139,23 @@ def agent_argv(env: Mapping[str, str]) -> list[str]:
         return []
 
 
-def node_range(env: Mapping[str, str], argv: list[str]) -> tuple[int, int] | None:
-    """(min, max) of torchrun's `--nnodes MIN:MAX` (or `--nnodes=`, or its PET_NNODES variable, which the
-    flag overrides) in the agent's command line `argv`; None where no range was given (one number, or
-    none). The workers' own variables carry only this round's count (GROUP_WORLD_SIZE)."""
-    value = env.get("PET_NNODES")
+def agent_flag(env: Mapping[str, str], argv: list[str], *names: str) -> str | None:
+    """The value torchrun's agent took for the flag `names` (its spellings, e.g. "--rdzv-backend",
+    "--rdzv_backend") from its command line `argv` (`--flag VALUE` or `--flag=VALUE`, the last one wins),
+    else from its PET_ variable (torchrun's own fallback: PET_RDZV_BACKEND); None where neither says."""
+    value = env.get("PET_" + names[0].lstrip("-").replace("-", "_").upper())
     for i, arg in enumerate(argv):
-        if arg == "--nnodes" and i + 1 < len(argv):
+        if arg in names and i + 1 < len(argv):
             value = argv[i + 1]
-        elif arg.startswith("--nnodes="):
+        elif arg.split("=", 1)[0] in names and "=" in arg:
             value = arg.split("=", 1)[1]
-    low, sep, high = (value or "").partition(":")
+    return value
+
+
+def node_range(env: Mapping[str, str], argv: list[str]) -> tuple[int, int] | None:
+    """(min, max) of torchrun's `--nnodes MIN:MAX` (`agent_flag`); None where no range was given (one
+    number, or none). The workers' own variables carry only this round's count (GROUP_WORLD_SIZE)."""
+    low, sep, high = (agent_flag(env, argv, "--nnodes") or "").partition(":")
     if not sep or not low.strip().isdigit() or not high.strip().isdigit() or int(low) == int(high):
         return None
     return int(low), int(high)
@@ -277,16 +283,21 @@ def export_for_accelerate(topo: Topology, env: Mapping[str, str] | None = None) 
         os.environ.setdefault(name, str(value))
 
 
-def check_agent_store(topo: Topology, env: Mapping[str, str], attempts: int = 3) -> None:
-    """Under torchrun's shared store (TORCHELASTIC_USE_AGENT_STORE=True) the rank-0 agent hosts the store
-    before any worker starts, so a worker whose MASTER_ADDR:MASTER_PORT refuses connections was handed a
-    store that is gone: the address of a rank-0 agent of an earlier round (torch 2.13 keeps it on a node
-    that was not rank 0 then and is not now), while this round's rank 0 waits on a new store. Raises
+def check_agent_store(topo: Topology, env: Mapping[str, str], argv: list[str] | None = None,
+                      attempts: int = 3) -> None:
+    """Under the c10d rendezvous' shared store (TORCHELASTIC_USE_AGENT_STORE=True) the rank-0 agent hosts
+    the store before any worker starts, so a worker whose MASTER_ADDR:MASTER_PORT refuses connections was
+    handed a store that is gone: the address of a rank-0 agent of an earlier round (torch 2.13 keeps it on
+    a node that was not rank 0 then and is not now), while this round's rank 0 waits on a new store. Raises
     BadInput naming the split store and the setting at once, where the join would wait out its timeout on
-    every node. A store that answers, or a connect that times out (judged by the join), passes."""
+    every node. A store that answers, a connect that times out (judged by the join), or another rendezvous
+    (`argv`: the agent's command line, read from /proc when not given) passes."""
     if (topo.launcher != "torchrun" or not topo.distributed or env.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
             or not topo.master_addr or not topo.master_port):
         return
+    argv = agent_argv(env) if argv is None else argv
+    if agent_flag(env, argv, "--rdzv-backend", "--rdzv_backend") != "c10d" and "--standalone" not in argv:
+        return  # static (accelerate launch, slurm/multinode.sh): one round, its nodes ranked by the launcher
     for attempt in range(attempts):
         try:
             socket.create_connection((topo.master_addr, topo.master_port), timeout=10).close()
