@@ -110,7 +110,7 @@ def test_a_newcomer_that_becomes_rank_0_resumes_the_job_with_a_store_per_start(
 def test_without_the_setting_the_split_store_is_said_as_such_naming_the_setting(
         tiny_model: Path, corpus: dict, tmp_path: Path) -> None:
     out = tmp_path / "run"
-    codes, took = three_nodes(run_args(tiny_model, corpus, out), tmp_path, {SETTING: "0"})
+    codes, took = three_nodes(run_args(tiny_model, corpus, out), tmp_path, {SETTING: "0"})  # whatever the shell says
     said = logs_of(tmp_path)
     print(f"three agents, shared store: exit codes {codes} after {took:.0f} s")
     everything = "\n=====\n".join(log[-3000:] for log in said.values())
