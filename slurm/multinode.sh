@@ -152,7 +152,9 @@ trap on_cancel TERM
 ulimit -n "$(ulimit -Hn)" 2>/dev/null || true
 
 # One task per node runs accelerate launch (exec: the task is the launcher) with the node's CPUs;
-# $SLURM_NODEID is expanded inside the step, on each node.
+# $SLURM_NODEID is expanded inside the step, on each node. The static rendezvous ranks each node by its
+# Slurm node id for the whole job, so the c10d rendezvous' split store (an elastic node range whose
+# rank-0 node is lost, docs/scale.md) cannot happen here and TORCH_DISABLE_SHARE_RDZV_TCP_STORE is not needed.
 # shellcheck disable=SC2016  # expanded by the inner bash, on each node
 srun --kill-on-bad-exit=0 --ntasks="$SLURM_NNODES" --ntasks-per-node=1 --cpus-per-task="$CPUS_PER_TASK" \
     bash -c 'exec accelerate launch --config_file "$config" \

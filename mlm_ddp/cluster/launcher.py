@@ -1,11 +1,13 @@
 """The one place that reads launcher environment variables: accelerate launch / torchrun, Slurm, Submitit.
 
 `detect()` turns the environment into a `Topology` (who this process is, where its peers meet, which
-Slurm job it belongs to, and why we think so); `requeue()` puts that job back in Slurm's queue;
-`export_for_accelerate()` fills in the torchrun-style variables that Accelerate reads
-when processes were started by `srun` or Submitit instead of torchrun. `python -m mlm_ddp.distributed`
-prints the topology (with `--connect`, proves the processes can talk; with `--diagnose`, names the rank
-of a run that stopped first): the first thing to run when a cluster job misbehaves.
+Slurm job it belongs to, why we think so, and which launcher settings are likely to fail the job);
+`requeue()` puts that job back in Slurm's queue; `export_for_accelerate()`, just before the process group
+forms, says those settings on rank 0, refuses a torchrun store that is gone (a split store) and fills in
+the torchrun-style variables that Accelerate reads when processes were started by `srun` or Submitit
+instead of torchrun. `python -m mlm_ddp.distributed` prints the topology (with `--connect`, proves the
+processes can talk; with `--diagnose`, names the rank of a run that stopped first): the first thing to
+run when a cluster job misbehaves.
 
 Beside it: precision.py (which mixed precision the job trains in, and what the launcher said about it),
 collectives.py (the process group: the Accelerator, side groups with patient timeouts, collectives).
@@ -14,14 +16,20 @@ collectives.py (the process group: the Accelerator, side groups with patient tim
 from __future__ import annotations
 
 import argparse
+import errno
+import logging
 import os
+import socket
 import subprocess
 import sys
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
+
+from mlm_ddp.errors import BadInput
 
 # Slurm gives every job an id; all nodes of a job derive the same rendezvous port from it, so two jobs
 # sharing a node do not collide. Below the Linux ephemeral range (32768+), which outgoing sockets use.
@@ -29,6 +37,12 @@ SLURM_PORT_BASE, SLURM_PORT_SPAN = 15000, 15000
 
 
 DEFAULT_PORT = 29500  # torchrun's default
+
+# torch's switch from the store its c10d rendezvous shares with the workers (the rank-0 agent's, reused by
+# every round) to a store per start, hosted by rank 0's worker; read by every agent, so set on every node
+SPLIT_STORE_SETTING = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+
+logger = logging.getLogger(__name__)  # before the process group: accelerate's logger needs its state
 
 
 def slurm_master_port(job_id: int) -> int:
@@ -74,6 +88,7 @@ class Topology:
     cuda_devices: int
     reasons: tuple[str, ...] = field(default=())
     job_id: str | None = None  # SLURM_JOB_ID, under any launcher inside a Slurm job; None outside Slurm
+    warnings: tuple[str, ...] = field(default=())  # launcher settings likely to fail this job; rank 0 says them
 
     @property
     def distributed(self) -> bool:
@@ -98,7 +113,8 @@ class Topology:
             f"backend       {self.backend or '- (one process, no process group)'}",
             f"device        {self.device} ({self.cuda_devices} CUDA device(s) visible)",
         ]
-        return "\n".join(lines + [f"because       {r}" for r in self.reasons])
+        return "\n".join(lines + [f"because       {r}" for r in self.reasons]
+                         + [f"warning       {w}" for w in self.warnings])
 
 
 def array_task(env: Mapping[str, str] | None = None) -> tuple[int, int]:
@@ -112,11 +128,65 @@ def array_task(env: Mapping[str, str] | None = None) -> tuple[int, int]:
     return (_int(env, "SLURM_ARRAY_TASK_ID") - first) // step, _int(env, "SLURM_ARRAY_TASK_COUNT", 1)
 
 
-def detect(env: Mapping[str, str] | None = None, cuda_devices: int | None = None) -> Topology:
-    """The topology of this process. Pure in (env, cuda_devices) apart from `scontrol` for a Slurm
-    master address that nobody exported."""
+def agent_argv(env: Mapping[str, str]) -> list[str]:
+    """The command line of the torch elastic agent that started this worker (its parent process), read
+    from Linux's /proc; [] outside torchrun's agent or where /proc cannot tell."""
+    if "TORCHELASTIC_RUN_ID" not in env:
+        return []
+    try:
+        return Path(f"/proc/{os.getppid()}/cmdline").read_bytes().decode(errors="replace").split("\0")[:-1]
+    except OSError:
+        return []
+
+
+def agent_flag(env: Mapping[str, str], argv: list[str], *names: str) -> str | None:
+    """The value torchrun's agent took for the flag `names` (its spellings, e.g. "--rdzv-backend",
+    "--rdzv_backend") from its command line `argv` (`--flag VALUE` or `--flag=VALUE`, the last one wins),
+    else from its PET_ variable (torchrun's own fallback: PET_RDZV_BACKEND); None where neither says."""
+    value = env.get("PET_" + names[0].lstrip("-").replace("-", "_").upper())
+    for i, arg in enumerate(argv):
+        if arg in names and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif arg.split("=", 1)[0] in names and "=" in arg:
+            value = arg.split("=", 1)[1]
+    return value
+
+
+def node_range(env: Mapping[str, str], argv: list[str]) -> tuple[int, int] | None:
+    """(min, max) of torchrun's `--nnodes MIN:MAX` (`agent_flag`); None where no range was given (one
+    number, or none). The workers' own variables carry only this round's count (GROUP_WORLD_SIZE)."""
+    low, sep, high = (agent_flag(env, argv, "--nnodes") or "").partition(":")
+    if not sep or not low.strip().isdigit() or not high.strip().isdigit() or int(low) == int(high):
+        return None
+    return int(low), int(high)
+
+
+def shared_store_warning(env: Mapping[str, str], argv: list[str]) -> str | None:
+    """The start-up warning of an elastic node range on the rendezvous' shared store (None: not that job).
+
+    With c10d's shared store, an agent keeps the store address of its first round unless it becomes rank 0
+    (torch 2.13): when the rank-0 node is lost and a node that joins sorts before the others, it becomes
+    rank 0 with a store of its own while the others' workers are handed the lost agent's. The workers of
+    that start are split over two stores and can never all join."""
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or env.get(SPLIT_STORE_SETTING) == "1":
+        return None
+    nodes = node_range(env, argv)
+    if nodes is None:
+        return None
+    return (f"torchrun --nnodes {nodes[0]}:{nodes[1]} on the rendezvous' shared store: a node that joins a restart "
+            "and becomes rank 0 gets a new store while the other nodes' workers keep the old rank 0's, and that "
+            f"start never joins; export {SPLIT_STORE_SETTING}=1 on every node (a store per start, hosted by rank "
+            "0's worker)")
+
+
+def detect(env: Mapping[str, str] | None = None, cuda_devices: int | None = None,
+           argv: list[str] | None = None) -> Topology:
+    """The topology of this process. Pure in (env, cuda_devices, argv: the torch elastic agent's command
+    line, read from /proc when not given) apart from `scontrol` for a Slurm master address that nobody
+    exported."""
     env = os.environ if env is None else env
     reasons: list[str] = []
+    warnings: list[str] = []
     if forced_cpu(env):
         # accelerate runs on the CPU whatever GPUs are visible: so does everything mlm_ddp decides
         # (device, backend, precision)
@@ -137,6 +207,8 @@ def detect(env: Mapping[str, str] | None = None, cuda_devices: int | None = None
         node_rank = _int(env, "GROUP_RANK", rank // max(local_world, 1))
         reasons.append("RANK and WORLD_SIZE are set: started by accelerate launch / torchrun")
         addr, port = env.get("MASTER_ADDR"), _int(env, "MASTER_PORT", DEFAULT_PORT)
+        if (warning := shared_store_warning(env, agent_argv(env) if argv is None else argv)) is not None:
+            warnings.append(warning)
     elif "SLURM_PROCID" in env and "SLURM_STEP_NUM_TASKS" in env:
         # one process per srun task (sbatch --ntasks-per-node=G + srun python ...), or Submitit,
         # which starts its tasks the same way
@@ -172,7 +244,8 @@ def detect(env: Mapping[str, str] | None = None, cuda_devices: int | None = None
     return Topology(launcher=launcher, rank=rank, local_rank=local_rank, world_size=world,
                     local_world_size=local_world, node_rank=node_rank,
                     num_nodes=max(world // max(local_world, 1), 1), master_addr=addr, master_port=port,
-                    cuda_devices=cuda_devices, reasons=tuple(reasons), job_id=env.get("SLURM_JOB_ID") or None)
+                    cuda_devices=cuda_devices, reasons=tuple(reasons), job_id=env.get("SLURM_JOB_ID") or None,
+                    warnings=tuple(warnings))
 
 
 def forced_cpu(env: Mapping[str, str]) -> bool:
@@ -188,11 +261,19 @@ def requeue(topo: Topology) -> None:
     subprocess.run(["scontrol", "requeue", topo.job_id], check=True, timeout=60)
 
 
-def export_for_accelerate(topo: Topology) -> None:
-    """Give Accelerate the torchrun variables it reads when srun or Submitit started the processes.
+def export_for_accelerate(topo: Topology, env: Mapping[str, str] | None = None) -> None:
+    """Ready this process for the process group, which forms next: on rank 0 say the launcher's settings
+    that are likely to fail the job (`Topology.warnings`); under torchrun's agent store, check that the
+    store is there (`check_agent_store`); and give Accelerate the torchrun variables it reads when srun or
+    Submitit started the processes.
 
-    Without them a Slurm task initialises no process group and trains alone, silently.
+    Without those variables a Slurm task initialises no process group and trains alone, silently.
     """
+    env = os.environ if env is None else env
+    if topo.rank == 0:
+        for warning in topo.warnings:
+            logger.warning("%s", warning)
+    check_agent_store(topo, env)
     if topo.launcher not in ("slurm", "submitit") or not topo.distributed:
         return
     values = {"RANK": topo.rank, "WORLD_SIZE": topo.world_size, "LOCAL_RANK": topo.local_rank,
@@ -200,6 +281,38 @@ def export_for_accelerate(topo: Topology) -> None:
               "MASTER_PORT": topo.master_port}
     for name, value in values.items():
         os.environ.setdefault(name, str(value))
+
+
+def check_agent_store(topo: Topology, env: Mapping[str, str], argv: list[str] | None = None,
+                      attempts: int = 3) -> None:
+    """Under the c10d rendezvous' shared store (TORCHELASTIC_USE_AGENT_STORE=True) the rank-0 agent hosts
+    the store before any worker starts, so a worker whose MASTER_ADDR:MASTER_PORT refuses connections was
+    handed a store that is gone: the address of a rank-0 agent of an earlier round (torch 2.13 keeps it on
+    a node that was not rank 0 then and is not now), while this round's rank 0 waits on a new store. Raises
+    BadInput naming the split store and the setting at once, where the join would wait out its timeout on
+    every node. A store that answers, a connect that times out (judged by the join), or another rendezvous
+    (`argv`: the agent's command line, read from /proc when not given) passes."""
+    if (topo.launcher != "torchrun" or not topo.distributed or env.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+            or not topo.master_addr or not topo.master_port):
+        return
+    argv = agent_argv(env) if argv is None else argv
+    if agent_flag(env, argv, "--rdzv-backend", "--rdzv_backend") != "c10d" and "--standalone" not in argv:
+        return  # static (accelerate launch, slurm/multinode.sh): one round, its nodes ranked by the launcher
+    for attempt in range(attempts):
+        try:
+            socket.create_connection((topo.master_addr, topo.master_port), timeout=10).close()
+            return
+        except OSError as err:
+            if err.errno not in (errno.ECONNREFUSED, errno.EHOSTUNREACH, errno.ENETUNREACH):
+                return
+            if attempt + 1 == attempts:
+                raise BadInput(
+                    f"split store: rank {topo.rank} (node {topo.node_rank}) was handed the store "
+                    f"{topo.master_addr}:{topo.master_port} by its torchrun agent, and nothing listens there "
+                    f"({err.strerror}): the store of a lost rank-0 node, while this start's rank 0 waits on a new "
+                    f"one, so not every process can join; export {SPLIT_STORE_SETTING}=1 on every node (a store "
+                    "per start, hosted by rank 0's worker)") from err
+            time.sleep(1)
 
 
 def check_accelerator(topo: Topology, num_processes: int, distributed_type: str) -> None:
