@@ -178,7 +178,7 @@ def resumes_exactly() -> bool:
 REACHES: list[Reach] = [
     Reach("datasets", "datasets.IterableDataset._ex_iterable", _has_examples_iterable,
           "the files behind a stream's shards and the skip/take counts given to each shard"),
-    Reach("datasets", "base_files of a file builder's examples iterable (datasets.IterableDataset._ex_iterable)",
+    Reach("datasets", "base_files in a file stream's examples iterable (datasets.IterableDataset._ex_iterable)",
           _keeps_base_files, "the files behind a --streaming run's shards, split over the ranks by their bytes"),
     Reach("datasets", "datasets.iterable_dataset.SkipExamplesIterable", lambda: _counts("SkipExamplesIterable", "skip"),
           "the texts a stream's shard holds out, named when a shard gives no text to train on"),
@@ -188,6 +188,6 @@ REACHES: list[Reach] = [
           "a stream's features read once from its first text before it is split into single shards"),
     Reach("datasets", "datasets.arrow_writer.ArrowWriter", _writes_arrow,
           "mlm_ddp.prepare's shards, written as the Arrow files `Dataset.from_file` maps"),
-    Reach("datasets", "an empty one-text shuffle buffer between reads (datasets.IterableDataset.shuffle, "
-          "buffer_size=1)", resumes_exactly, "an exact mid-epoch resume of a --streaming run"),
+    Reach("datasets", "empty one-text shuffle buffer between reads (datasets.IterableDataset.shuffle with "
+          "buffer_size=1)", resumes_exactly, "a --streaming run resumed mid-epoch at the text it stopped before"),
 ]

@@ -172,17 +172,18 @@ REACHES: list[Reach] = [
           "the module classes FSDP shards as units when --fsdp_wrap_classes is not given"),
     Reach("transformers", "transformers.masking_utils.create_bidirectional_mask",
           lambda: _builder_takes_our_keywords(MASK_BUILDERS["full_attention"]),
-          "a padded batch's sdpa mask built before the forward, with inputs_embeds and allow_is_bidirectional_skip"),
+          "taking inputs_embeds and allow_is_bidirectional_skip by name: a padded batch's sdpa mask, built before "
+          "the forward"),
     Reach("transformers", "transformers.masking_utils.create_bidirectional_sliding_window_mask",
           lambda: _builder_takes_our_keywords(MASK_BUILDERS["sliding_attention"]),
-          "ModernBERT's sliding-window sdpa mask built before the forward, with inputs_embeds and "
-          "allow_is_bidirectional_skip"),
+          "taking inputs_embeds and allow_is_bidirectional_skip by name: ModernBERT's sliding-window sdpa mask, "
+          "built before the forward"),
     Reach("transformers", "transformers.models.bert.modeling_bert.BertLayer", _bert_layer_is_laid_out_so,
           "--last_layer_subset: the parts of BERT's layer (attention.self.query/key/value, attention.output, "
           "intermediate, output) its forward on the masked positions calls; a model laid out otherwise runs its "
           "full last layer, with one log line, for the same loss"),
     Reach("transformers", "transformers.PreTrainedModel._init_weights", _init_weights_is_there,
           "mlm_ddp.probe's classifier head drawn anew from a seed, the same for every model of one architecture"),
-    Reach("transformers", "the _is_hf_initialized flag of a tensor (transformers.initialization)",
+    Reach("transformers", "_is_hf_initialized flag read by transformers.initialization's init functions",
           _init_skips_flagged_tensors, "mlm_ddp.probe's classifier head drawn anew, though it was loaded"),
 ]
