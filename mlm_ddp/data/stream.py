@@ -225,9 +225,9 @@ class PackedStream(torch.utils.data.IterableDataset):
     reshuffled every epoch by `datasets`' `shuffle` with a one-text buffer (from datasets 5.0 it also
     interleaves up to 10 shards). From datasets 5.1 that buffer is empty between reads, so the
     source's `state_dict()` names exactly the next text; before 5.1 it held one more text and every
-    resume skipped it (measured on 3.6 to 5.0.1), hence `STREAM_RESUME_DATASETS`; `compat.check` tries
-    it on the installed datasets (`compat.datasets.resumes_exactly`), as it is no documented promise. The position is
-    (the source's `state_dict()` before the current chunk, the chunk number, blocks of it already
+    resume skipped it (measured on 3.6 to 5.0.1), hence `STREAM_RESUME_DATASETS`; no documented promise,
+    so `compat.check` tries it on the installed datasets (`compat.datasets.resumes_exactly`). The position
+    is (the source's `state_dict()` before the current chunk, the chunk number, blocks of it already
     yielded): a resume re-reads at most one chunk, never the stream from its start (datasets #5454),
     and yields exactly the blocks an uninterrupted run would have.
     Exact positions need `--dataloader_num_workers 0` (the state lives in this process).
