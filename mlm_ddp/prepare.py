@@ -33,11 +33,12 @@ from typing import Any, Literal
 
 import numpy as np
 import pyarrow.compute as pc
-from datasets.arrow_writer import ArrowWriter
 from transformers import HfArgumentParser
 
+from mlm_ddp import compat
 from mlm_ddp.cluster import launcher as distributed
 from mlm_ddp.cluster.durable import fsync_dir, unwritable, write_atomic
+from mlm_ddp.compat import datasets as compat_datasets
 from mlm_ddp.config import DataConfig, ModelConfig, _doc, parse_exactly
 from mlm_ddp.data import prepared as fmt
 from mlm_ddp.data.pack import TOKENIZE_BATCH
@@ -188,7 +189,7 @@ def write_file(workers: Workers, folder: Path, plan: dict[str, Any], index: int,
     chunks = owned_chunks([plan["inputs"][i]["path"] for i in split[at:]], start,
                           reader(settings["builder"], settings["builder_options"], settings["text_column"]), seen)
     counts: dict[str, Any] = {"file": index, "texts": 0, **{s: {"blocks": 0, "tokens": 0} for s in fmt.SPLITS}}
-    writers: dict[str, ArrowWriter] = {}
+    writers: dict[str, Any] = {}  # datasets' Arrow writers (compat.datasets.arrow_writer)
     for train, held, texts in workers.map(drawn(chunks, file["role"], settings)):
         counts["texts"] += texts
         for name, table in (("train", train), ("eval", held)):
@@ -196,7 +197,7 @@ def write_file(workers: Workers, folder: Path, plan: dict[str, Any], index: int,
                 continue
             if name not in writers:
                 shard = into / fmt.shard_name(name, index)
-                writers[name] = ArrowWriter(features=workers.packer.schema(), path=str(shard))
+                writers[name] = compat_datasets.arrow_writer(workers.packer.schema(), str(shard))
             writers[name].write_table(table)
             counts[name]["blocks"] += table.num_rows
             counts[name]["tokens"] += int(pc.sum(pc.list_value_length(table["input_ids"])).as_py() or 0)
@@ -459,6 +460,7 @@ def make_parser() -> HfArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     try:
+        compat.check()  # a library that moved a name mlm_ddp reaches: one line, before anything is read
         model, data, opts = parse_exactly(make_parser(), argv)
         for note in data_notes(data):  # as mlm_ddp.train warns them: taken as given, likely a mistake
             say(f"{PROG}: warning: {note}")

@@ -6,20 +6,18 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import difflib
-import re
 import shlex
 import sys
 import types
 import typing
-from argparse import ArgumentTypeError
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 from transformers import HfArgumentParser
-from transformers.hf_argparser import string_to_bool
 
+from mlm_ddp.compat import argparse as compat_argparse
 from mlm_ddp.config.run import RunConfig
 from mlm_ddp.config.sections import DataConfig, ModelConfig
 from mlm_ddp.config.training import TrainingConfig
@@ -110,6 +108,19 @@ def _shown(value: Any, text: bool) -> str:
     return repr(value)
 
 
+# the words a bool flag takes, in any case (HfArgumentParser's)
+TRUE_WORDS, FALSE_WORDS = ("yes", "true", "t", "y", "1"), ("no", "false", "f", "n", "0")
+
+
+def text_to_bool(text: str) -> bool:
+    """A bool flag's value from its text as HfArgumentParser reads it; ValueError for another word."""
+    if text.lower() in TRUE_WORDS:
+        return True
+    if text.lower() in FALSE_WORDS:
+        return False
+    raise ValueError(text)
+
+
 def _scalar(value: Any, kind: Any, key: str) -> Any:
     """One value as a field of type `kind` holds it (ValueError if it cannot be): text converted as its flag's is
     (YAML reads 5e-5 as text, and a quoted '0.15' is what the flag takes), an int where a float goes."""
@@ -133,7 +144,7 @@ def _scalar(value: Any, kind: Any, key: str) -> Any:
         if kind is bool and value is not None:
             return value
     elif isinstance(value, str):
-        return string_to_bool(value) if kind is bool else kind(value)
+        return text_to_bool(value) if kind is bool else kind(value)
     elif kind is int and isinstance(value, int) or kind is float and isinstance(value, (int, float)):
         return kind(value)
     raise ValueError(value)
@@ -163,7 +174,7 @@ def _typed(key: str, value: Any, hint: Any, source: str) -> Any:
         items = value if isinstance(value, list) else [value]
         return [item if key in SOURCE_LISTS and isinstance(item, dict) else _scalar(item, kind, key)
                 for item in items]
-    except (ValueError, ArgumentTypeError):
+    except ValueError:
         raise BadInput(f"{source}: {key} must be {wanted}, got {_shown(value, kind is str or bool(choices))}") from None
 
 
@@ -248,9 +259,8 @@ def make_parser() -> HfArgumentParser:
         # rule that asks whether --learning_rate was given (`given`) sees every flag as it is spelled
         allow_abbrev=False,
     )
-    # argparse reads "-1e-3" as a flag (its test for a negative number knows no exponent), so "--learning_rate
-    # -1e-3" said "expected one argument"; no flag of ours looks like a number, so any number is a value
-    parser._negative_number_matcher = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
+    # "--learning_rate -1e-3" is a value, not a flag: no flag of ours looks like a number
+    compat_argparse.accept_negative_numbers(parser)
     parser.add_argument(
         "--config", default=None, metavar="RECIPE.yaml",
         help="YAML recipe (nested by section or flat), or the name of a shipped one (dapt, tapt, modernbert: "

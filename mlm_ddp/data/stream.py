@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import copy
 import itertools
-import logging
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -22,14 +21,14 @@ from typing import Any
 import numpy as np
 import torch
 from datasets import IterableDataset, concatenate_datasets
-from datasets.iterable_dataset import SkipExamplesIterable, TakeExamplesIterable
 
+from mlm_ddp.compat import datasets as compat_datasets
 from mlm_ddp.config import DataConfig
 from mlm_ddp.data.pack import tokenize_and_pack
 from mlm_ddp.errors import BadInput
 
 # the first datasets release whose one-text shuffle buffer holds nothing between reads (PackedStream);
-# pyproject's floor, which tests/test_data.py checks against this
+# pyproject's floor, which tests/test_data.py checks against this (and compat.check, the behaviour itself)
 STREAM_RESUME_DATASETS = (5, 1)
 # how a saved stream position names its next text: 2 since every topology reads a stream as its files one
 # by one (`single_shards`); 1 (no key) before, when one process read it as one stream, whose datasets state
@@ -79,27 +78,10 @@ def balance_shards(sizes: list[int], world_size: int, equal_counts: bool = True)
     return [sorted(part) for part in parts]
 
 
-def _files_of(ds: IterableDataset) -> list[str] | None:
-    """The file behind each shard of a stream loaded from files (one file per shard), else None.
-
-    `datasets` has no public accessor: its file builders keep the shard files in the examples
-    iterable's `base_files`, under any skip/take wrappers. Anything else (an in-memory table, a
-    changed layout in another `datasets` version) gives None, and the stream is split as before.
-    """
-    ex_iterable: Any = ds._ex_iterable
-    while not hasattr(ex_iterable, "kwargs") and hasattr(ex_iterable, "ex_iterable"):
-        ex_iterable = ex_iterable.ex_iterable
-    files = getattr(ex_iterable, "kwargs", {}).get("base_files")
-    if not isinstance(files, list) or len(files) != ds.num_shards:
-        return None
-    if not all(isinstance(f, str) for f in files):
-        return None
-    return files
-
-
 def shard_sizes(ds: IterableDataset) -> list[int] | None:
-    """Bytes of each shard of a stream, when every shard is one local file (else None)."""
-    files = _files_of(ds)
+    """Bytes of each shard of a stream, when every shard is one local file (else None: an in-memory table,
+    a parquet stream; the files of a stream: `compat.datasets.shard_files`, datasets has no public accessor)."""
+    files = compat_datasets.shard_files(ds)
     if files is None or not all(os.path.isfile(f) for f in files):
         return None
     return [os.path.getsize(f) for f in files]
@@ -171,7 +153,7 @@ def single_shards(ds: IterableDataset) -> list[IterableDataset]:
     Its features are resolved first, from the whole stream's first text: joining the shards again
     would otherwise read each shard's first text for them, and fail on a shard the skip emptied.
     """
-    ds = ds._resolve_features()
+    ds = compat_datasets.with_features(ds)
     return [ds.shard(num_shards=ds.num_shards, index=i, contiguous=True) for i in range(ds.num_shards)]
 
 
@@ -207,19 +189,6 @@ def shard_stream(ds: IterableDataset, rank: int, world_size: int) -> IterableDat
     return whole.filter(_is_mine, with_indices=True, fn_kwargs={"rank": rank, "world_size": world_size})
 
 
-def _cuts(part: IterableDataset) -> tuple[int, int | None]:
-    """(texts skipped, texts taken; None: no take) of one shard of a stream (`single_shards`)."""
-    skipped, taken = 0, None
-    ex_iterable: Any = part._ex_iterable
-    while ex_iterable is not None:
-        if isinstance(ex_iterable, SkipExamplesIterable):
-            skipped += ex_iterable.n
-        elif isinstance(ex_iterable, TakeExamplesIterable):
-            taken = ex_iterable.n if taken is None else min(taken, ex_iterable.n)
-        ex_iterable = getattr(ex_iterable, "ex_iterable", None)
-    return skipped, taken
-
-
 def check_training_shards(ds: IterableDataset, rank: int, world_size: int, cfg: DataConfig) -> None:
     """Refuse a training stream with a shard that gives no text (the held-out share or --max_train_samples,
     divided over the shards, left it none), naming the shard's file and the flag to change.
@@ -229,7 +198,7 @@ def check_training_shards(ds: IterableDataset, rank: int, world_size: int, cfg: 
     so it is refused on every one. Each rank looks at the shards it reads anyway (all of them, or its
     own files): the first text of each, past its held-out share.
     """
-    files = _files_of(ds)
+    files = compat_datasets.shard_files(ds)
     shards = plan_stream_split(ds, world_size).shards  # None: every rank reads every shard
     mine = range(ds.num_shards) if shards is None else shards[rank]
     parts = single_shards(ds)
@@ -237,7 +206,7 @@ def check_training_shards(ds: IterableDataset, rank: int, world_size: int, cfg: 
         if next(iter(parts[index]), None) is not None:
             continue
         where = f"file {files[index]}" if files else f"shard {index} of {ds.num_shards}"
-        skipped, taken = _cuts(parts[index])
+        skipped, taken = compat_datasets.skip_take(parts[index])
         if taken == 0:
             raise BadInput(f"--streaming: {where} gives no text to train on: --max_train_samples "
                            f"{cfg.max_train_samples} is divided over the stream's {ds.num_shards} files and leaves "
@@ -256,8 +225,9 @@ class PackedStream(torch.utils.data.IterableDataset):
     reshuffled every epoch by `datasets`' `shuffle` with a one-text buffer (from datasets 5.0 it also
     interleaves up to 10 shards). From datasets 5.1 that buffer is empty between reads, so the
     source's `state_dict()` names exactly the next text; before 5.1 it held one more text and every
-    resume skipped it (measured on 3.6 to 5.0.1), hence `STREAM_RESUME_DATASETS`. The position is
-    (the source's `state_dict()` before the current chunk, the chunk number, blocks of it already
+    resume skipped it (measured on 3.6 to 5.0.1), hence `STREAM_RESUME_DATASETS`; no documented promise,
+    so `compat.check` tries it on the installed datasets (`compat.datasets.resumes_exactly`). The position
+    is (the source's `state_dict()` before the current chunk, the chunk number, blocks of it already
     yielded): a resume re-reads at most one chunk, never the stream from its start (datasets #5454),
     and yields exactly the blocks an uninterrupted run would have.
     Exact positions need `--dataloader_num_workers 0` (the state lives in this process).
@@ -297,15 +267,7 @@ class PackedStream(torch.utils.data.IterableDataset):
         chunk, skip, resuming = 0, 0, False
         if self._resume is not None and self._resume["source"] is not None:
             resuming = True
-            # datasets warns that a shuffle buffer's content is not in a state dict; ours holds one
-            # text and is empty between reads, so there is nothing to lose
-            quiet = logging.getLogger("datasets.iterable_dataset")
-            level = quiet.level
-            quiet.setLevel(logging.ERROR)
-            try:
-                self.texts.load_state_dict(self._resume["source"])
-            finally:
-                quiet.setLevel(level)
+            compat_datasets.load_stream_state(self.texts, self._resume["source"])
             chunk, skip = self._resume["chunk"], self._resume["blocks"]
             # counts up to the chunk being resumed (checkpoints older than these counts: from 0)
             self.texts_read = self._resume.get("texts", 0)

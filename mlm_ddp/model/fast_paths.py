@@ -21,6 +21,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from mlm_ddp.compat import transformers as compat_transformers
+
 DRAW_BITS = 16
 DRAW_LEVELS = 2**DRAW_BITS
 ATTENTION_DROPOUT16 = "sdpa_dropout16"  # the name the attention function is registered under in transformers
@@ -102,13 +104,12 @@ def use_dropout16(model: torch.nn.Module) -> list[str]:
                 swapped.append(f"{name}.{child_name}" if name else child_name)
     done = [f"{len(swapped)} dropout modules"] if swapped else []
     if attention_interface_ready(model):
-        from transformers import AttentionInterface
-        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+        from transformers import AttentionInterface, AttentionMaskInterface
 
         AttentionInterface.register(ATTENTION_DROPOUT16, attention_dropout16)
         # and sdpa's masks (bool, True: attend): a name without a mask function gets no mask at all,
         # so padding would be attended
-        AttentionMaskInterface.register(ATTENTION_DROPOUT16, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+        AttentionMaskInterface.register(ATTENTION_DROPOUT16, AttentionMaskInterface()["sdpa"])
         model.set_attn_implementation(ATTENTION_DROPOUT16)
         done.append("attention dropout")
     return done
@@ -118,8 +119,15 @@ def attention_interface_ready(model: torch.nn.Module) -> bool:
     """Whether the model looks its attention function up by name (transformers 5 models that support
     it) and runs sdpa now: the only case the registered function replaces."""
     config = getattr(model, "config", None)
-    return (transformers_major() >= 5 and getattr(model, "_supports_attention_backend", False)
-            and hasattr(model, "set_attn_implementation") and getattr(config, "_attn_implementation", None) == "sdpa")
+    return (transformers_major() >= 5 and backend_compatible(model) and hasattr(model, "set_attn_implementation")
+            and compat_transformers.attn_implementation(config) == "sdpa")
+
+
+def backend_compatible(model: torch.nn.Module) -> bool:
+    """Whether a transformers model looks its attention function (and mask function) up by name, in
+    AttentionInterface (transformers 5 models that support it): its `is_backend_compatible()`."""
+    compatible = getattr(model, "is_backend_compatible", None)
+    return bool(compatible()) if callable(compatible) else False
 
 
 def transformers_major() -> int:
@@ -133,7 +141,7 @@ def transformers_major() -> int:
 def subset_unsupported(model: Any) -> str | None:
     """Why `last_layer_subset` cannot run on this transformers model, or None when it can: it needs a
     BERT-style last layer (attention.self.{query,key,value}, attention.output, intermediate, output)
-    with absolute positions and no cross-attention."""
+    with absolute positions and no cross-attention (`compat.transformers.bert_layer_parts`)."""
     if transformers_major() < 5:
         return "transformers < 5 layers return tuples"  # the encoder would read row 0 of the (N, H) output
     base = getattr(model, "base_model", None)
@@ -141,10 +149,7 @@ def subset_unsupported(model: Any) -> str | None:
     if not isinstance(layers, torch.nn.ModuleList) or len(layers) == 0:
         return "its encoder has no `encoder.layer` list"
     last = layers[-1]
-    attention = getattr(getattr(last, "attention", None), "self", None)
-    parts = [getattr(attention, name, None) for name in ("query", "key", "value")]
-    if not all(isinstance(p, torch.nn.Linear) for p in parts) or not all(
-            hasattr(last, name) for name in ("intermediate", "output")) or not hasattr(last.attention, "output"):
+    if not compat_transformers.is_bert_layer(last):
         return f"its last layer ({type(last).__name__}) is not a BERT-style layer"
     config = model.config
     if getattr(config, "is_decoder", False) or getattr(config, "add_cross_attention", False):
@@ -167,9 +172,9 @@ def subset_forward(layer: torch.nn.Module, positions: tuple[torch.Tensor, torch.
     positions.WIDTH_MULTIPLE (at least 1, so that shapes stay non-empty and every parameter stays in the
     graph); the padding slots are real positions whose
     results are dropped. Every shape is known from the indices' shapes: nothing is read back to the host."""
-    attention = layer.attention.self
+    parts = compat_transformers.bert_layer_parts(layer)
     batch, seq, hidden = hidden_states.shape
-    heads, size = attention.num_attention_heads, attention.attention_head_size
+    heads, size = parts.heads, parts.head_size
     flat, order, slots = positions
     width = order.shape[1]
     rows = hidden_states.gather(1, order[..., None].expand(batch, width, hidden))  # (B, M, H)
@@ -177,17 +182,17 @@ def subset_forward(layer: torch.nn.Module, positions: tuple[torch.Tensor, torch.
     def split(x: torch.Tensor, length: int) -> torch.Tensor:  # (B, L, h*d) -> (B, h, L, d)
         return x.view(batch, length, heads, size).transpose(1, 2)
 
-    query = split(attention.query(rows), width)
-    key, value = split(attention.key(hidden_states), seq), split(attention.value(hidden_states), seq)
+    query = split(parts.query(rows), width)
+    key, value = split(parts.key(hidden_states), seq), split(parts.value(hidden_states), seq)
     mask = None
     if attention_mask is not None:  # (B or 1, 1 or h, T or 1, T): the rows of the gathered queries
         full = attention_mask.expand(batch, attention_mask.shape[1], seq, seq)
         mask = full.gather(2, order[:, None, :, None].expand(batch, full.shape[1], width, seq))
-    dropout = attention.dropout.p if layer.training else 0.0
+    dropout = parts.attention_dropout.p if layer.training else 0.0
     context = attend(query, key, value, mask, dropout, size**-0.5, draws16)  # (B, h, M, d)
     context = context.transpose(1, 2).reshape(batch * width, heads * size).index_select(0, slots)  # (N, H)
-    attention_output = layer.attention.output(context, hidden_states.reshape(-1, hidden).index_select(0, flat))
-    return layer.output(layer.intermediate(attention_output), attention_output)
+    attention_output = parts.attention_output(context, hidden_states.reshape(-1, hidden).index_select(0, flat))
+    return parts.output(parts.intermediate(attention_output), attention_output)
 
 
 @contextlib.contextmanager

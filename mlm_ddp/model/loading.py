@@ -17,6 +17,7 @@ import transformers
 from accelerate.logging import get_logger
 from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForMaskedLM, AutoTokenizer, PreTrainedModel
 
+from mlm_ddp.compat import transformers as compat_transformers
 from mlm_ddp.config import ModelConfig
 from mlm_ddp.errors import BadInput
 from mlm_ddp.model import compiled, fast_paths
@@ -162,7 +163,7 @@ def masked_lm_class(model_config: Any, path: str) -> type[PreTrainedModel]:
 def attention_for(cfg: ModelConfig, model_class: type[PreTrainedModel]) -> str:
     """--attn_implementation, or 'eager' with a warning where the model has no sdpa kernel (DeBERTa
     v2/v3): the default must not fail a model that only supports eager attention."""
-    if cfg.attn_implementation == "sdpa" and not getattr(model_class, "_supports_sdpa", False):
+    if cfg.attn_implementation == "sdpa" and not compat_transformers.supports_sdpa(model_class):
         logger.warning("%s has no sdpa attention in this transformers version: using --attn_implementation "
                        "eager", model_class.__name__)
         return "eager"
@@ -276,7 +277,7 @@ def fsdp_wrap_classes(model: torch.nn.Module, requested: str | None) -> tuple[li
     if requested:
         names = [name.strip() for name in requested.split(",") if name.strip()]
     else:
-        names = sorted(getattr(model, "_no_split_modules", None) or []) or repeated_layer_class(model)
+        names = compat_transformers.no_split_modules(model) or repeated_layer_class(model)
     tied = [set(group) for group in tied_parameters(model)]
     wrap, held = [], []
     for cls in names:
@@ -424,17 +425,10 @@ def padding_mask_4d(model: PreTrainedModel, attention_mask: torch.Tensor
     one_type = (layer_types == {"full_attention"} and getattr(config, "local_attention", None) is None
                 and getattr(config, "sliding_window", None) is None)
     if (fast_paths.transformers_major() < 5 or getattr(config, "is_decoder", False) or not (per_type or one_type)
-            or getattr(config, "_attn_implementation", None) not in ("sdpa", fast_paths.ATTENTION_DROPOUT16)
-            or not getattr(model, "_supports_attention_backend", False)):
+            or compat_transformers.attn_implementation(config) not in ("sdpa", fast_paths.ATTENTION_DROPOUT16)
+            or not fast_paths.backend_compatible(model)):
         return attention_mask
-    from transformers.masking_utils import create_bidirectional_mask, create_bidirectional_sliding_window_mask
-
-    builders = {"full_attention": create_bidirectional_mask,
-                "sliding_attention": create_bidirectional_sliding_window_mask}
-    # the builders read the batch, length, device (and eager's dtype) off the embeddings: (B, T, 0)
-    shape = attention_mask.new_empty((*attention_mask.shape, 0), dtype=torch.float32)
-    masks = {kind: builders[kind](config=config, inputs_embeds=shape, attention_mask=attention_mask,
-                                  allow_is_bidirectional_skip=False) for kind in sorted(layer_types)}
+    masks = compat_transformers.bidirectional_masks(config, attention_mask, layer_types)
     return masks if per_type else masks["full_attention"]  # each (B, 1, T, T)
 
 

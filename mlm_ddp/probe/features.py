@@ -27,6 +27,7 @@ from transformers import (
     get_linear_schedule_with_warmup,
 )
 
+from mlm_ddp.compat import transformers as compat_transformers
 from mlm_ddp.errors import BadInput, say
 from mlm_ddp.loop import checkpoint as ckpt
 from mlm_ddp.model.loading import _quiet_transformers, load_kwargs, max_positions
@@ -213,12 +214,7 @@ def fresh_head(model: PreTrainedModel, seed: int) -> None:
         return
     pooler = getattr(base, "pooler", None)
     head = ([pooler] if pooler is not None else []) + [module for module in model.children() if module is not base]
-    for part in head:
-        for module in part.modules():  # transformers 5 skips what it loaded unless told it is not initialised
-            module._is_hf_initialized = False
-            for param in module.parameters(recurse=False):
-                param._is_hf_initialized = False
-        part.apply(model._init_weights)
+    compat_transformers.reinitialise(model, head)  # with the model's own initialisation, though it was loaded
 
 
 def finetune(source: str, tokenizer: Any, texts: list[str], labels: np.ndarray, n_labels: int,

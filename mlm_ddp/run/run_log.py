@@ -21,6 +21,7 @@ from tqdm.auto import tqdm
 
 from mlm_ddp.cluster.durable import write_atomic
 from mlm_ddp.cluster.heartbeat import PhaseReport, unreported
+from mlm_ddp.compat import transformers as compat_transformers
 from mlm_ddp.config import Config, RunConfig
 from mlm_ddp.errors import BadInput
 from mlm_ddp.loop import branch, speed
@@ -185,7 +186,8 @@ def describe_start(cfg: Config, topo: Any, precision: tuple[str, str], accelerat
     logger.info("model: %s, %.1fM parameters; MLM head on %s positions; last layer on %s positions; attention "
                 "%s; dropout %s; AdamW %s; torch.compile %s",
                 type(wrapper.model).__name__, n_params / 1e6, "masked" if wrapper.masked_only else "all",
-                "masked" if wrapper.last_layer_subset else "all", wrapper.model.config._attn_implementation,
+                "masked" if wrapper.last_layer_subset else "all",
+                compat_transformers.attn_implementation(wrapper.model.config),
                 "16-bit draws" if wrapper.draws16 else "torch's", training.optimizer_impl,
                 "on" if training.torch_compile else "off")
 
