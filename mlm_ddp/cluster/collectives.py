@@ -118,7 +118,7 @@ class MainProcessWait:
     """The collectives in which the other processes wait while the main process alone works (the
     files of a checkpoint, final/, removing an earlier run, tokenizing): on a gloo group of their own
     with a long timeout (--save_timeout, --preprocessing_timeout), so that --ddp_timeout can stay
-    short for the training collectives (DESIGN.md, pitfall 14). Every rank must call each method at
+    short for the training collectives (docs/design.md, pitfall 14). Every rank must call each method at
     the same point."""
 
     def __init__(self, num_processes: int, timeout_s: int) -> None:

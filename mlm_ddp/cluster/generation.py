@@ -1,7 +1,7 @@
 """One start of a job: the generation every worker of it agrees on before the process group forms, and the
 signals a worker obeys at once while it waits to join.
 
-Why a generation of our own (DESIGN.md, pitfall 19): torchrun's agents share one store across restarts
+Why a generation of our own (docs/design.md, pitfall 19): torchrun's agents share one store across restarts
 (with c10d, the rank-0 agent hosts it and every start gets the same MASTER_PORT) and add no per-start prefix,
 so a key written by the last start is read by the next: gloo's addresses of the workers that died
 ("Connection refused", or a connect timeout minutes later). `TORCHELASTIC_RESTART_COUNT` cannot scope

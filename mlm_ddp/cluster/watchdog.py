@@ -3,7 +3,7 @@ before the backend ends the process (NCCL's watchdog aborts it without a Python 
 Recorder (flight.py) says afterwards which collective each rank last entered; this adds, before the
 timeout, one line with the host, pid, phase and step of the rank that did not come, and what became of it.
 
-How it judges, so that it cannot call a healthy job hung (DESIGN.md, pitfalls 17 and 19):
+How it judges, so that it cannot call a healthy job hung (docs/design.md, pitfalls 17 and 19):
 - **Channel.** The process group's own key-value store (no client cache, unlike a shared filesystem),
   which `collectives.join_process_group` scopes to this start of the job (generation.py): torchrun's agents
   keep one store for every restart. Every call has a hard deadline (`StoreCalls`): under srun and Submitit rank

@@ -7,7 +7,7 @@ micro-batch with more masked tokens then weighs more, exactly as one big batch w
 
 Whether a step's update was skipped is decided from the step's own numbers, never from whether
 `optimizer.step` was called: a fused AdamW is always called and skips on the device (`found_inf`),
-under an fp16 gradient scaler too (DESIGN.md, pitfall 18).
+under an fp16 gradient scaler too (docs/design.md, pitfall 18).
 """
 
 from __future__ import annotations
@@ -182,7 +182,7 @@ def agree_on_step(accelerator: Accelerator, window: list[dict[str, torch.Tensor]
     reached first), and the previous step, where its skip is still `unread` on the device: returned judged
     (`judged`) if its update was skipped, else None."""
     # filled in on the device: torch.tensor(votes, device=...) would copy them from pageable host memory,
-    # which waits for the device (DESIGN.md, pitfall 15). A signal is rare: the fill of a vote is too
+    # which waits for the device (docs/design.md, pitfall 15). A signal is rare: the fill of a vote is too
     ballot = stop.votes()
     votes = torch.zeros(len(ballot), dtype=torch.float64, device=accelerator.device)
     for index, vote in enumerate(ballot):

@@ -272,7 +272,7 @@ def fsdp_wrap_classes(model: torch.nn.Module, requested: str | None) -> tuple[li
     The classes are --fsdp_wrap_classes, else the model's `_no_split_modules`, else its repeated
     layers. A class whose modules hold one end of a tie but not the other (BertEmbeddings holds the
     word embeddings that the MLM decoder shares) stays in the root unit with the head: FSDP2 refuses
-    a parameter managed by two units (DESIGN.md, pitfall 13).
+    a parameter managed by two units (docs/design.md, pitfall 13).
     """
     if requested:
         names = [name.strip() for name in requested.split(",") if name.strip()]
@@ -302,8 +302,8 @@ def loss_sums(logits: torch.Tensor, targets: torch.Tensor, count_correct: bool =
     its kernels are not run.
 
     Sums, not means, so that callers can normalise by the masked tokens of a whole optimizer step
-    across micro-batches and ranks (DESIGN.md, pitfall 10). The loss is taken in fp32; the count is filled
-    in on the device (torch.tensor(n, device=...) would wait for it: DESIGN.md, pitfall 15)."""
+    across micro-batches and ranks (docs/design.md, pitfall 10). The loss is taken in fp32; the count is filled
+    in on the device (torch.tensor(n, device=...) would wait for it: docs/design.md, pitfall 15)."""
     logits = logits.float()
     loss_sum = F.cross_entropy(logits, targets, reduction="sum")
     correct = (logits.argmax(dim=-1) == targets).sum() if count_correct else loss_sum.new_zeros((), dtype=torch.long)
@@ -330,7 +330,7 @@ class MaskedLMLoss(torch.nn.Module):
 
     With `masked_only` the encoder runs on every position but the head (transform + decoder over the
     whole vocabulary) only on the ~15% masked ones, gathered first, as the fast BERT trainers do
-    (DESIGN.md, pitfall 11): the same loss and gradients, with a fraction of the head's FLOPs and no
+    (docs/design.md, pitfall 11): the same loss and gradients, with a fraction of the head's FLOPs and no
     (B, T, V) logits tensor. This module is what `accelerator.prepare` wraps, so DDP's gradient
     hooks see the whole computation; `.model` is the transformers model that `save_pretrained` writes.
     """
@@ -399,7 +399,7 @@ def looks_for_padding_without_mask(model: PreTrainedModel) -> bool:
 def model_mask(model: PreTrainedModel, attention_mask: torch.Tensor, padded: bool, looks_for_padding: bool
                ) -> torch.Tensor | dict[str, torch.Tensor] | None:
     """What the model gets for `attention_mask` (B, T), so that its mask costs no read back to the host,
-    a wait that drains the GPU queue (DESIGN.md, pitfall 15). A padded batch: `padding_mask_4d`. Else no
+    a wait that drains the GPU queue (docs/design.md, pitfall 15). A padded batch: `padding_mask_4d`. Else no
     mask (transformers' builder would read `padding_mask.all()` to find it all ones, then drop it), unless
     the model then looks for padding in the ids (`looks_for_padding_without_mask`): the 2-D mask of ones,
     which it would assume."""
