@@ -24,6 +24,7 @@ The GPU suite (tests/gpu) checks the same with torch.cuda.set_sync_debug_mode.""
 
 from __future__ import annotations
 
+import json
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -281,3 +282,16 @@ def test_fsdp2_waits_for_the_device_once_per_optimizer_step_too(tiny_model: Path
         print(f"FSDP2 rank {rank}: {describe(steps)}")
         assert any(what.startswith("tolist loop/step.py") for what in steps[2]), "nothing counted"
         assert all(len(v) == SYNC_BUDGET for v in steps.values()), describe(steps)
+
+
+def test_a_logging_step_reads_its_sums_and_gradient_norm_back_once(tiny_model: Path, corpus: dict,
+                                                                     tmp_path: Path) -> None:
+    """Every step logs (--logging_steps 1): the record's sums and the step's gradient norm come back to the host
+    in one read, the logged sums' all-reduce, beside the step's own budget."""
+    counted = count_syncs(tiny_args(tiny_model, corpus, tmp_path / "run", "--max_train_steps", str(STEPS),
+                                    "--logging_steps", "1", "--report", "false"))
+    logged = {step: [what for (at, phase), what in counted["syncs"] if at == step and phase == "log"]
+              for step in range(2, STEPS)}
+    assert all(len(v) == 1 and v[0].startswith("tolist run/run_log.py") for v in logged.values()), logged
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert all("grad_norm" in r for r in records if "loss" in r)

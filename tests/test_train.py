@@ -317,3 +317,21 @@ def test_fsdp_eval_padding_adds_nothing_to_the_sums(tiny_model: Path) -> None:
     with torch.no_grad():
         sums = [torch.stack([t.double() for t in model(**b)]) for b in batches]
     assert sums[0][1] == 1 and sums[1].tolist() == sums[2].tolist() == [0.0, 0.0, 0.0]
+
+
+def test_every_logging_line_has_the_gradient_norm_before_clipping(tiny_model: Path, corpus: dict,
+                                                                  tmp_path: Path) -> None:
+    """metrics.jsonl's grad_norm is the norm before --max_grad_norm scales it: a clip to 1e-9 leaves the first
+    step's figure as it is without clipping (the same weights, the same batch), and says it clipped; clipping
+    off (0) never does."""
+    runs = {}
+    for name, limit in (("tight", "1e-9"), ("off", "0")):
+        out = tmp_path / name
+        assert main(tiny_args(tiny_model, corpus, out, "--max_train_steps", "3", "--max_grad_norm", limit)) == 0
+        runs[name] = [r for r in read_metrics(out) if "loss" in r]
+    for name, lines in runs.items():
+        assert [r["step"] for r in lines] == [1, 2, 3], lines
+        assert all(math.isfinite(r["grad_norm"]) and r["grad_norm"] > 1e-3 for r in lines), lines
+        assert [r["grad_clipped"] for r in lines] == [name == "tight"] * 3, lines
+    assert runs["tight"][0]["grad_norm"] == pytest.approx(runs["off"][0]["grad_norm"], rel=1e-6)
+    assert runs["tight"][1]["loss"] != pytest.approx(runs["off"][1]["loss"], rel=1e-6)  # the clip took effect

@@ -170,6 +170,8 @@ FIGURES: dict[str, tuple[Panel, ...]] = {
                        Panel("eval perplexity against tokens", "tokens_seen", ("perplexity",), "perplexity", True)),
     "schedule.png": (Panel("learning rate", "step", ("lr",), "learning rate"),
                      Panel("training throughput", "step", ("tokens_per_s",), "tokens/s (all processes)")),
+    "gradients.png": (Panel("gradient norm before clipping", "step", ("grad_norm",), "global L2 norm", True),
+                      Panel("gradient norm against tokens", "tokens_seen", ("grad_norm",), "global L2 norm", True)),
     # only where a run probed (--probe_train_file): before, at each evaluation (--probe_every_eval), after
     # (the evaluations' are on held-out training texts, before and after on the test set: drawn apart)
     "probe.png": (Panel("downstream probe accuracy against steps", "step", ("probe_accuracy", "probe_heldout_accuracy"),
@@ -180,6 +182,7 @@ FIGURES: dict[str, tuple[Panel, ...]] = {
 STYLES = {"loss": dict(linestyle="-", label="train"), "eval_loss": dict(linestyle="--", marker="o", label="eval"),
           "perplexity": dict(linestyle="--", marker="o", label="eval"), "lr": dict(linestyle="-", label="lr"),
           "tokens_per_s": dict(linestyle="-", marker=".", label="tokens/s"),
+          "grad_norm": dict(linestyle="-", label="gradient norm"),
           "probe_accuracy": dict(linestyle="--", marker="s", label="probe"),
           "probe_macro_f1": dict(linestyle="--", marker="s", label="probe"),
           "probe_heldout_accuracy": dict(linestyle=":", marker="^", label="probe, held-out"),

@@ -52,11 +52,17 @@ class StepSums:
         self.masked = self.masked + result.masked
         self.tokens = self.tokens + result.tokens
 
-    def reduced(self, accelerator: Accelerator) -> tuple[float, float, float]:
-        """(loss sum, masked, tokens) of every rank: one all-reduce, a collective."""
+    def reduced(self, accelerator: Accelerator, *local: torch.Tensor) -> list[float]:
+        """(loss sum, masked, tokens) of every rank, then this rank's `local` scalars as they are: one all-reduce
+        (a collective) and one read back to the host for all of them."""
         total = accelerator.reduce(torch.stack([self.loss_sum, self.masked, self.tokens]), reduction="sum")
-        loss_sum, masked, tokens = total.tolist()
-        return loss_sum, masked, tokens
+        return torch.cat([total, *(value.reshape(1).to(total) for value in local)]).tolist()
+
+
+def clipped(grad_norm: float, max_grad_norm: float) -> bool:
+    """Whether --max_grad_norm scaled this step's gradients down: torch's clip_grad_norm_ scales by
+    max_norm / (norm + 1e-6) where that is below 1 (no clipping at 0, which the step turns into inf)."""
+    return max_grad_norm > 0 and grad_norm + 1e-6 > max_grad_norm
 
 
 def tracked(record: dict[str, Any]) -> dict[str, float]:
@@ -200,6 +206,7 @@ class RunLog:
                  total_steps: int, resumed: bool, tokens_before: int, usage: Utilisation | None = None,
                  beat: PhaseReport = unreported, window: list[float] | None = None) -> None:
         self.accelerator, self.trackers, self.every = accelerator, trackers, cfg.run.logging_steps
+        self.max_grad_norm = cfg.training.max_grad_norm  # 0: no clipping
         self.beat = beat
         self.total_steps, self.tokens_before = total_steps, tokens_before
         out = Path(cfg.run.output_dir)
@@ -215,6 +222,8 @@ class RunLog:
                                       config=tracker_config(cfg))
         self.since_log, self.carried_tokens = self._carried(window)
         self.trained = torch.zeros((), dtype=torch.float64, device=accelerator.device)  # this rank's tokens
+        # the last step's gradient norm before clipping, on the device (the same on every rank)
+        self.grad_norm = torch.zeros((), dtype=torch.float64, device=accelerator.device)
         self.start_step = start_step
         self.clock, self.progress = TrainingClock(), None
         self.usage = usage  # None: MFU not logged (a model whose FLOPs are not counted)
@@ -241,7 +250,7 @@ class RunLog:
 
     def window(self) -> list[float]:
         """(loss sum, masked, tokens) of every rank since the last metrics line, for a checkpoint (a collective)."""
-        return list(self.since_log.reduced(self.accelerator))
+        return self.since_log.reduced(self.accelerator)
 
     def rewind(self, step: int, tokens_seen: int, window: list[float] | None = None) -> None:
         """Back to a checkpoint's `step` (a loss-spike rollback): its lines, counts, progress and the sums since
@@ -268,6 +277,7 @@ class RunLog:
     def add(self, result: StepResult) -> None:
         self.since_log.add(result)
         self.trained = self.trained + result.tokens
+        self.grad_norm = result.grad_norm
 
     def maybe(self, step: int, epoch: float, lr: float) -> dict[str, Any]:
         """Called after every optimizer step: on a logging step (and the last) the training record
@@ -277,9 +287,10 @@ class RunLog:
         self.progress.update(1)
         if not logs:
             return {}
-        loss_sum, masked, tokens = self.since_log.reduced(self.accelerator)
+        loss_sum, masked, tokens, grad_norm = self.since_log.reduced(self.accelerator, self.grad_norm)
         record = {"step": step, "epoch": round(epoch, 4), "loss": loss_sum / max(masked, 1), "lr": lr,
-                  "tokens_per_s": (tokens - self.carried_tokens) / self.clock.lap()}
+                  "tokens_per_s": (tokens - self.carried_tokens) / self.clock.lap(),
+                  "grad_norm": grad_norm, "grad_clipped": clipped(grad_norm, self.max_grad_norm)}
         self.since_log, self.carried_tokens = StepSums.zeros(self.accelerator.device), 0.0
         self.run_masked, self.run_tokens = self.run_masked + masked, self.run_tokens + tokens
         shown = {"loss": f"{record['loss']:.4f}", "tok_s": f"{record['tokens_per_s']:.0f}"}
