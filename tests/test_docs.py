@@ -176,3 +176,49 @@ def test_the_checker_names_each_broken_link(tmp_path: Path) -> None:
     problems = broken_links(tmp_path / "page.md", repo=tmp_path)
     assert [p.split(":")[1] for p in problems] == ["3", "7", "7"], problems
     assert "missing.md" in problems[0] and "#part-2" in problems[1] and "#nowhere" in problems[2]
+
+
+# The project's own tracker is not part of the repository, so a reader of the code or the docs cannot
+# follow "issue 45" anywhere; nor can they open the design notes kept outside it. The repository's own
+# design page is docs/design.md, cited by that path.
+OWN_ISSUE = re.compile(r"\bissues? #?\d+", re.IGNORECASE)
+OUTSIDE_DESIGN_NOTES = re.compile(r"DESIGN\.md")  # case-sensitive: `docs/design.md` is the repository's page
+
+
+def cited_from_outside(text: str) -> list[tuple[int, str]]:
+    """(line number, what it cites) for each citation of our own issue tracker ("issue 45", "Issue #57",
+    "issues 45 and 55") and each "DESIGN.md". An upstream project's tracker, cited as the project's name
+    and the number ("transformers #17106", "pytorch#126750", "marin-community/marin#2829") or by its URL
+    (".../issues/123"), is public and followable, and does not match: the word "issue" followed by a
+    number is what marks a citation of ours, so write upstream ones without it."""
+    hits = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        hits += [(number, m.group(0)) for m in OWN_ISSUE.finditer(line)]
+        hits += [(number, m.group(0)) for m in OUTSIDE_DESIGN_NOTES.finditer(line)]
+    return hits
+
+
+def test_docs_and_package_cite_nothing_outside_the_repository() -> None:
+    """Every .py under mlm_ddp/ (its comments and docstrings: simply the file's text), README.md and every
+    .md under docs/ say what is and why without citing an issue number or DESIGN.md."""
+    files = [*sorted((REPO / "mlm_ddp").rglob("*.py")), README, *sorted(DOCS.rglob("*.md"))]
+    problems = [
+        f"{path.relative_to(REPO)}:{number}: {cited!r}"
+        for path in files
+        for number, cited in cited_from_outside(path.read_text(encoding="utf-8"))
+    ]
+    assert not problems, (
+        f"{len(problems)} citation(s) of our issue tracker or of DESIGN.md, neither of which is in the repository "
+        "(say what is and why; cite docs/design.md by its path):\n" + "\n".join(problems)
+    )
+
+
+def test_the_citation_check_tells_ours_from_upstream() -> None:
+    text = (
+        "fixed in issue 46\n"  # 1
+        "See Issue #57 and issues 45 and 55.\n"  # 2
+        "(DESIGN.md, pitfall 15)\n"  # 3
+        "(docs/design.md, pitfall 15) transformers #31035, pytorch#126750, marin-community/marin#2829\n"  # 4
+        "https://github.com/huggingface/datasets/issues/6623 and a tissue 12 and reissue 3\n"  # 5
+    )
+    assert cited_from_outside(text) == [(1, "issue 46"), (2, "Issue #57"), (2, "issues 45"), (3, "DESIGN.md")]

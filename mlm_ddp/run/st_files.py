@@ -1,4 +1,4 @@
-"""final/ stays a sentence-transformers model when its source was one (issue 38).
+"""final/ stays a sentence-transformers model when its source is one.
 
 A sentence-transformers checkpoint (the default all-MiniLM-L6-v2 among them) is a transformers model
 at its root plus files that describe the pipeline around it: `modules.json` (the modules in order),
