@@ -43,7 +43,7 @@ logger = get_logger(__name__)
 MARKER = "COMPLETE"
 STATE_FILE = "trainer_state.json"
 SCHEDULER_FILE = "scheduler.json"
-SAFE_LOADING_TORCH = (2, 4)  # pyproject's torch floor; tests/test_neighbours.py checks they agree
+SAFE_LOADING_TORCH = (2, 4)  # at or below pyproject's torch floor; tests/test_neighbours.py checks it
 # what accelerate's save_state writes (accelerate's own names): without FSDP model 0's weights and optimizer 0's
 # state, one file each; every rank's RNG states
 WEIGHTS_FILE, OPTIMIZER_FILE = SAFE_WEIGHTS_NAME, f"{OPTIMIZER_NAME}.bin"
