@@ -303,7 +303,7 @@ def check_agent_store(topo: Topology, env: Mapping[str, str], argv: list[str] | 
             socket.create_connection((topo.master_addr, topo.master_port), timeout=10).close()
             return
         except OSError as err:
-            if err.errno not in (errno.ECONNREFUSED, errno.EHOSTUNREACH, errno.ENETUNREACH):
+            if err.errno != errno.ECONNREFUSED:  # unreachable or timed out: the join judges it
                 return
             if attempt + 1 == attempts:
                 raise BadInput(
