@@ -105,9 +105,12 @@ def skipped_where_found_inf(optimizer: Any, found_inf: Any) -> Iterator[None]:
 
 
 def _adam_steps_read_found_inf() -> bool:
-    import torch
+    """The functional Adam and AdamW that their `step` calls take `found_inf`. Read off the functions'
+    signatures, not the methods' source, so that a `step` wrapped by a profiler or a test is not taken for a
+    release that moved the name."""
+    from torch.optim import adam, adamw
 
-    return all("found_inf" in inspect.getsource(cls.step) for cls in (torch.optim.Adam, torch.optim.AdamW))
+    return all("found_inf" in inspect.signature(function).parameters for function in (adam.adam, adamw.adamw))
 
 
 # --- learning-rate schedules --------------------------------------------------------------------------------------
@@ -160,7 +163,7 @@ REACHES: list[Reach] = [
           "--mixed_precision auto on an Arm CPU: bf16 only where it computes it natively"),
     Reach("torch", "torch.amp.GradScaler._scale", _scaler_keeps_its_scale,
           "fp16: whether the gradient scaler skipped a step, read without a host sync"),
-    Reach("torch", "torch.optim.Adam.found_inf", _adam_steps_read_found_inf,
+    Reach("torch", "torch.optim.adam.adam(found_inf=...)", _adam_steps_read_found_inf,
           "fused AdamW skips a non-finite step on the device, without a host sync"),
     Reach("torch", f"torch.optim.lr_scheduler.LRScheduler.{STEP_COUNT}", lambda: _schedule_state_carries(STEP_COUNT),
           "a resumed run's schedule takes up the checkpoint's step count (scheduler.json)"),

@@ -128,6 +128,9 @@ def train_step(accelerator: Accelerator, model: torch.nn.Module, optimizer: torc
     # this norm: every rank takes the same decision below without another collective. Under fp16 accelerate
     # unscales the gradients first: the norm is the true one
     norm = accelerator.clip_grad_norm_(model.parameters(), max_grad_norm or math.inf)
+    # under FSDP2 the norm is a DTensor: the whole norm as a plain tensor, the same on every rank (no host
+    # sync: a replicated one's local value, or an all-reduce of a partial one), as the log reads it
+    norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
     stepped: bool | torch.Tensor
     if accelerator.scaler is not None:
         # fp16: the scaler skips the update when the gradients hold inf/NaN, and then halves its scale. With a
@@ -141,9 +144,6 @@ def train_step(accelerator: Accelerator, model: torch.nn.Module, optimizer: torc
     elif skips_on_device(accelerator, optimizer):
         # fused AdamW leaves the parameters and its state as they are when `found_inf` is set (what a gradient
         # scaler gives it): the decision stays on the device, and nothing is read back here
-        # under FSDP2 the norm is a DTensor: the whole norm as a plain tensor, the same on every rank (no host
-        # sync: a replicated one's local value, or an all-reduce of a partial one)
-        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
         finite = torch.isfinite(norm)
         with skipped_where_found_inf(optimizer.optimizer, (~finite).float()):
             optimizer.step()
