@@ -24,16 +24,22 @@ def examples_iterable(ds: Any) -> Any:
     return ds._ex_iterable
 
 
+def chain_end(ds: Any) -> Any:
+    """The last examples iterable of a stream's chain that keeps generator keywords (`kwargs`), below any
+    skip/take wrappers; the last one of the chain where none does."""
+    ex_iterable = examples_iterable(ds)
+    while not hasattr(ex_iterable, "kwargs") and hasattr(ex_iterable, "ex_iterable"):
+        ex_iterable = ex_iterable.ex_iterable
+    return ex_iterable
+
+
 def shard_files(ds: Any) -> list[str] | None:
     """The file behind each shard of a stream loaded from files (one file per shard), else None.
 
     datasets' file builders keep the shard files in their generator keywords, `base_files`, at the end of
     the chain under any skip/take wrappers. Anything else (an in-memory table, a parquet stream) gives None.
     """
-    ex_iterable = examples_iterable(ds)
-    while not hasattr(ex_iterable, "kwargs") and hasattr(ex_iterable, "ex_iterable"):
-        ex_iterable = ex_iterable.ex_iterable
-    files = getattr(ex_iterable, "kwargs", {}).get("base_files")
+    files = getattr(chain_end(ds), "kwargs", {}).get("base_files")
     if not isinstance(files, list) or len(files) != ds.num_shards:
         return None
     if not all(isinstance(f, str) for f in files):
@@ -117,10 +123,7 @@ def _keeps_base_files() -> bool:
         module = importlib.import_module(f"datasets.packaged_modules.{name}.{name}")
         if "base_files" not in inspect.signature(getattr(module, builder)._generate_shards).parameters:
             return False
-    ex_iterable = examples_iterable(_tiny_stream())
-    while not hasattr(ex_iterable, "kwargs") and hasattr(ex_iterable, "ex_iterable"):
-        ex_iterable = ex_iterable.ex_iterable
-    return isinstance(getattr(ex_iterable, "kwargs", None), dict)
+    return isinstance(getattr(chain_end(_tiny_stream()), "kwargs", None), dict)
 
 
 def _counts(name: str, cut: str) -> bool:
