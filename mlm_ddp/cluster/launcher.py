@@ -26,7 +26,6 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 from mlm_ddp.errors import BadInput
@@ -128,15 +127,20 @@ def array_task(env: Mapping[str, str] | None = None) -> tuple[int, int]:
     return (_int(env, "SLURM_ARRAY_TASK_ID") - first) // step, _int(env, "SLURM_ARRAY_TASK_COUNT", 1)
 
 
-def agent_argv(env: Mapping[str, str]) -> list[str]:
-    """The command line of the torch elastic agent that started this worker (its parent process), read
-    from Linux's /proc; [] outside torchrun's agent or where /proc cannot tell."""
-    if "TORCHELASTIC_RUN_ID" not in env:
-        return []
+def parent_command_line() -> list[str]:
+    """The command line of the process that started this one (accelerate launch, torchrun's agent), read
+    from Linux's /proc; [] where /proc cannot tell (not Linux)."""
     try:
-        return Path(f"/proc/{os.getppid()}/cmdline").read_bytes().decode(errors="replace").split("\0")[:-1]
+        with open(f"/proc/{os.getppid()}/cmdline", "rb") as handle:
+            return [part.decode(errors="replace") for part in handle.read().split(b"\0") if part]
     except OSError:
         return []
+
+
+def agent_argv(env: Mapping[str, str]) -> list[str]:
+    """The command line of the torch elastic agent that started this worker (its parent process); []
+    outside torchrun's agent or where /proc cannot tell."""
+    return parent_command_line() if "TORCHELASTIC_RUN_ID" in env else []
 
 
 def agent_flag(env: Mapping[str, str], argv: list[str], *names: str) -> str | None:

@@ -10,7 +10,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from mlm_ddp.cluster.launcher import Topology
+from mlm_ddp.cluster.launcher import Topology, parent_command_line
 from mlm_ddp.compat import accelerate as compat_accelerate
 from mlm_ddp.compat import torch as compat_torch
 
@@ -56,15 +56,6 @@ def launcher_precision(env: Mapping[str, str] | None = None,
     argv = parent_command_line() if launch_argv is None else launch_argv
     said = said_no(argv)
     return ("no", said) if said else None
-
-
-def parent_command_line() -> list[str]:
-    """The command line of the process that started this one (accelerate launch, or torchrun inside it)."""
-    try:
-        with open(f"/proc/{os.getppid()}/cmdline", "rb") as handle:
-            return [part.decode(errors="replace") for part in handle.read().split(b"\0") if part]
-    except OSError:  # not Linux: only an explicit bf16/fp16 is seen
-        return []
 
 
 def said_no(argv: list[str]) -> str | None:
