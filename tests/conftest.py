@@ -19,6 +19,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pytest  # noqa: E402
 
+from tests.tiers import pytest_addoption, pytest_configure  # noqa: E402, F401 - hooks: the fast tier
+
 REPO = Path(__file__).resolve().parents[1]
 CLUSTER = REPO / "tests" / "slurm_cluster.sh"
 TINY_PEAK_TFLOPS = 0.1
@@ -126,13 +128,15 @@ def tiny_args(model: Path, corpus: dict[str, Path], out: Path, *extra: str) -> l
     """Flags of a fast tiny run; later flags win over earlier ones. No warm-up: a run of a few steps
     trains at its full rate from the first. A given peak for the MFU: no second of matmuls at start-up.
     fp32: `auto` would pick bf16 on a CPU with native bf16 and fp32 on one without, so the suite's
-    equality bounds would hold on some machines only; bf16 has tests of its own (test_precision.py)."""
+    equality bounds would hold on some machines only; bf16 has tests of its own (test_precision.py). No
+    report: drawing its plots takes a second of a tiny run's few tenths (measured 1.1-1.9 s against 0.3 s);
+    the tests that read report.html ask for it with `--report true`."""
     return [
         "--model_name_or_path", str(model), "--train_file", str(corpus["train"]),
         "--validation_file", str(corpus["valid"]), "--output_dir", str(out),
         "--max_seq_length", "32", "--per_device_train_batch_size", "8", "--per_device_eval_batch_size", "32",
         "--learning_rate", "1e-3", "--num_warmup_steps", "0", "--logging_steps", "1",
-        "--peak_tflops", str(TINY_PEAK_TFLOPS), "--mixed_precision", "no", *extra,
+        "--peak_tflops", str(TINY_PEAK_TFLOPS), "--mixed_precision", "no", "--report", "false", *extra,
     ]
 
 

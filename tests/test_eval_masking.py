@@ -32,7 +32,8 @@ def runs(tiny_model: Path, corpus: dict, tmp_path_factory: pytest.TempPathFactor
         fresh_accelerate_state()  # the conftest's reset runs between tests, not between these runs
         with recorded_batches() as made:
             result = train(parse_args(tiny_args(tiny_model, corpus, root / name, "--max_train_steps", "2",
-                                                "--checkpointing_steps", "2", "--max_eval_samples", "64", *flags)))
+                                                "--checkpointing_steps", "2", "--max_eval_samples", "64",
+                                                "--report", "true", *flags)))
         out[name] = (root / name, result, list(made))
     return out
 

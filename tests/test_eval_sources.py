@@ -52,8 +52,10 @@ def runs(tiny_model: Path, corpus: dict, other: Path, tmp_path_factory: pytest.T
     """One process, 4 steps, evaluating at 0, 2 and 4: 'two' with valid.txt and other.txt, 'one' with
     valid.txt alone (the records every earlier run wrote)."""
     root = tmp_path_factory.mktemp("eval_sources")
-    assert main(sources_args(tiny_model, corpus, root / "two", corpus["valid"], other)) == 0
-    assert main(sources_args(tiny_model, corpus, root / "one", corpus["valid"])) == 0
+    # both write their report: 'two''s shows the sources, 'one''s has no sources plot
+    report = ("--report", "true")
+    assert main(sources_args(tiny_model, corpus, root / "two", corpus["valid"], other, extra=report)) == 0
+    assert main(sources_args(tiny_model, corpus, root / "one", corpus["valid"], extra=report)) == 0
     return {"two": root / "two", "one": root / "one"}
 
 

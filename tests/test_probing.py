@@ -43,7 +43,7 @@ def probed_args(tiny_model: Path, corpus: dict, out: Path, files: dict[str, Path
 def probed_run(tiny_model: Path, corpus: dict, probe_files: dict, tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("probed") / "run"
     train(parse_args(probed_args(tiny_model, corpus, out, probe_files, "--probe_every_eval", "--eval_steps",
-                                 str(STEPS // 2))))
+                                 str(STEPS // 2), "--report", "true")))
     return out
 
 

@@ -22,7 +22,8 @@ def runs(tiny_model: Path, corpus: dict, tmp_path_factory: pytest.TempPathFactor
     """Two real tiny runs that differ in learning rate; only the first writes its report at the end."""
     root = tmp_path_factory.mktemp("report")
     first, second = root / "lr1e-3", root / "lr3e-3"
-    train(parse_args(tiny_args(tiny_model, corpus, first, "--max_train_steps", "6", "--eval_steps", "3")))
+    train(parse_args(tiny_args(tiny_model, corpus, first, "--max_train_steps", "6", "--eval_steps", "3",
+                               "--report", "true")))
     train(parse_args(tiny_args(tiny_model, corpus, second, "--max_train_steps", "6", "--eval_steps", "3",
                                "--learning_rate", "3e-3", "--report", "false")))
     return first, second
