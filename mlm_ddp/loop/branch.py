@@ -15,6 +15,7 @@ import os
 import re
 from pathlib import Path
 
+from mlm_ddp.compat.torch import LAST_LR
 from mlm_ddp.config import Config
 from mlm_ddp.errors import BadInput
 from mlm_ddp.loop import checkpoint as ckpt
@@ -96,7 +97,7 @@ def check_source(path: Path, saved: dict) -> None:
         raise BadInput(f"{path / ckpt.SCHEDULER_FILE}: unreadable ({err})") from err
     if not at_peak(schedule):
         raise BadInput(f"--decay_from {path}: its learning rates after step {schedule.get('last_epoch')} are "
-                       f"{schedule.get('_last_lr')}, below their peak {schedule.get('base_lrs')}: it is in its "
+                       f"{schedule.get(LAST_LR)}, below their peak {schedule.get('base_lrs')}: it is in its "
                        "warm-up or its decay; branch from a checkpoint of the stable phase")
 
 
