@@ -222,6 +222,32 @@ def run_module(args: list[str], cwd: Path | None = None, env: dict | None = None
                           text=True, timeout=timeout)
 
 
+def launch_runs(cases: list[dict], results: Path, procs: int = 2, config: str = "cpu_ddp.yaml",
+                env: dict | None = None, timeout: float = 600) -> dict[str, dict]:
+    """Training runs one after the other under one start-up (tests/matrix_driver.py): in one process
+    (`procs` 1) or in the 2 processes of one `accelerate launch` of accelerate_configs/`config`. A launch
+    costs about 6 s before the first step, mostly imports; a tiny run after it a second or two. Each case
+    is {"id", "argv", "out", "root"?}, in the order they must run (a resume after the run it resumes).
+    id -> the main process's result (its exit, log, curve, checkpoints: matrix_driver); every rank ended
+    every run the same way. `results` is a new folder for the ranks' result files."""
+    results.mkdir(parents=True)
+    spec = results / "cases.json"
+    spec.write_text(json.dumps(cases))
+    command = [sys.executable, "-m", "tests.matrix_driver"]
+    if procs > 1:
+        command[2:2] = [*LAUNCH, "--config_file", str(CONFIGS / config), "--num_processes", str(procs),
+                        "--main_process_port", str(free_port()), "-m"]
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": f"{REPO}:{os.environ.get('PYTHONPATH', '')}",
+                **(env or {})}
+    proc = subprocess.run([*command, str(spec), str(results)], cwd=REPO, env=full_env, capture_output=True,
+                          text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    by_rank = [json.loads((results / f"results_{r}.json").read_text()) for r in range(procs)]
+    for rank_results in by_rank[1:]:
+        assert [(r["id"], r["exit"]) for r in rank_results] == [(r["id"], r["exit"]) for r in by_rank[0]]
+    return {r["id"]: r for r in by_rank[0]}
+
+
 @pytest.fixture(scope="session")
 def slurm(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     """A running cluster; yields the environment its clients and jobs need."""

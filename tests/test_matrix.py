@@ -18,24 +18,18 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import (
-    CONFIGS,
-    LAUNCH,
-    REPO,
     SAME_STEPS,
     TINY_PEAK_TFLOPS,
     BySource,
     corpus_paragraphs,
     exact_lines,
-    free_port,
+    launch_runs,
     recorded_batches,
     trained_blocks,
 )
@@ -203,25 +197,11 @@ def build_cases(tiny_model: Path, root: Path) -> list[Case]:
 
 
 def run_all(cases: list[Case], procs: int, root: Path) -> dict[str, dict]:
-    """Every case of `procs` processes in one driver process group, with a time limit for them all."""
+    """Every case of `procs` processes under one start-up, with a time limit for them all."""
     mine = [c for c in cases if c.procs == procs]
-    spec = root / f"cases-{procs}.json"
-    spec.write_text(json.dumps([{"id": c.id, "argv": c.argv, "out": str(c.out), "root": str(root)} for c in mine]))
-    results = root.parent / f"{root.name}-results-p{procs}"  # outside root: written while others run
-    results.mkdir()
-    if procs == 1:
-        command = [sys.executable, "-m", "tests.matrix_driver"]
-    else:
-        command = [sys.executable, "-m", *LAUNCH, "--config_file", str(CONFIGS / "cpu_ddp.yaml"),
-                   "--main_process_port", str(free_port()), "-m", "tests.matrix_driver"]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": f"{REPO}:{os.environ.get('PYTHONPATH', '')}"}
-    proc = subprocess.run([*command, str(spec), str(results)], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=RUN_BOUND_S * len(mine))
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    by_rank = [json.loads((results / f"results_{r}.json").read_text()) for r in range(procs)]
-    for rank_results in by_rank[1:]:  # every rank ended every run the same way
-        assert [(r["id"], r["exit"]) for r in rank_results] == [(r["id"], r["exit"]) for r in by_rank[0]]
-    return {r["id"]: r for r in by_rank[0]}
+    return launch_runs([{"id": c.id, "argv": c.argv, "out": str(c.out), "root": str(root)} for c in mine],
+                       root.parent / f"{root.name}-results-p{procs}", procs,  # outside root: written while others run
+                       timeout=RUN_BOUND_S * len(mine))
 
 
 @pytest.fixture(scope="module")

@@ -17,39 +17,63 @@ import pytest
 
 from mlm_ddp.config import parse_args
 from mlm_ddp.train import train
-from tests.conftest import CONFIGS, LAUNCH, free_port, run_module, tiny_args, train_losses
+from tests.conftest import launch_runs, tiny_args, train_losses
 
 CHUNK = 4  # --shuffle_buffer_size: texts per shuffled chunk of a stream
 RESUMED = re.compile(r"stream resumed at epoch (\d+), chunk (\d+), block (\d+): re-read (\d+) raw text")
 
 
-def run(procs: int, args: list[str], caplog: pytest.LogCaptureFixture) -> str:
-    """Train in this process (1) or under accelerate launch (2); returns the log."""
-    if procs == 1:
-        caplog.clear()
-        with caplog.at_level("INFO"):
-            train(parse_args(args))
-        return caplog.text
-    proc = run_module([*LAUNCH, "--config_file", str(CONFIGS / "cpu_ddp.yaml"), "--main_process_port",
-                       str(free_port()), "-m", "mlm_ddp.train", *args])
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc.stderr
-
-
-@pytest.mark.parametrize("ga", [1, 2])
-@pytest.mark.parametrize("procs", [1, 2])
-@pytest.mark.parametrize("kind", ["map", "stream"])
-def test_resume_continues_the_uninterrupted_curve(kind: str, procs: int, ga: int, tiny_model: Path, corpus: dict,
-                                                  tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+def cell_args(kind: str, procs: int, ga: int) -> list[str]:
     common = ["--max_train_steps", "8", "--checkpointing_steps", "4", "--gradient_accumulation_steps", str(ga),
               "--per_device_train_batch_size", str(8 // procs), "--logging_steps", str(2 * ga - 1)]
     if kind == "stream":
         common += ["--streaming", "--shuffle_buffer_size", str(CHUNK), "--max_eval_samples", "16"]
-    run(procs, tiny_args(tiny_model, corpus, straight, *common), caplog)
-    (resumed / "checkpoints").mkdir(parents=True)
-    shutil.copytree(straight / "checkpoints" / "step-0000004", resumed / "checkpoints" / "step-0000004")
-    log = run(procs, tiny_args(tiny_model, corpus, resumed, *common, "--resume_from_checkpoint", "latest"), caplog)
+    return common
+
+
+CELLS = [(kind, procs, ga) for kind in ("map", "stream") for procs in (1, 2) for ga in (1, 2)]
+
+
+@pytest.fixture(scope="module")
+def two_process_cells(tiny_model: Path, corpus: dict, tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
+    """Every 2-process cell's uninterrupted run and its resume, under one `accelerate launch`
+    (tests.conftest.launch_runs): the resume reads the uninterrupted run's checkpoint of step 4 from its
+    folder and trains into a folder of its own."""
+    root = tmp_path_factory.mktemp("resume-2")
+    cases = []
+    for kind, procs, ga in CELLS:
+        if procs == 2:
+            cell, common = f"{kind}-{ga}", cell_args(kind, procs, ga)
+            straight, resumed = root / cell / "straight", root / cell / "resumed"
+            cases += [{"id": f"{cell}-straight", "out": str(straight),
+                       "argv": tiny_args(tiny_model, corpus, straight, *common)},
+                      {"id": f"{cell}-resumed", "out": str(resumed),
+                       "argv": tiny_args(tiny_model, corpus, resumed, *common, "--resume_from_checkpoint",
+                                         str(straight / "checkpoints" / "step-0000004"))}]
+    return launch_runs(cases, root / "results")
+
+
+@pytest.mark.parametrize(("kind", "procs", "ga"), CELLS, ids=[f"{k}-{p}-{g}" for k, p, g in CELLS])
+def test_resume_continues_the_uninterrupted_curve(kind: str, procs: int, ga: int, tiny_model: Path, corpus: dict,
+                                                  tmp_path: Path, caplog: pytest.LogCaptureFixture,
+                                                  request: pytest.FixtureRequest) -> None:
+    """One process: in this process, the checkpoint copied into a new folder and resumed as `latest`. Two:
+    from the shared launch (two_process_cells)."""
+    if procs == 1:
+        straight, resumed, common = tmp_path / "straight", tmp_path / "resumed", cell_args(kind, procs, ga)
+        train(parse_args(tiny_args(tiny_model, corpus, straight, *common)))
+        (resumed / "checkpoints").mkdir(parents=True)
+        shutil.copytree(straight / "checkpoints" / "step-0000004", resumed / "checkpoints" / "step-0000004")
+        caplog.clear()
+        with caplog.at_level("INFO"):
+            train(parse_args(tiny_args(tiny_model, corpus, resumed, *common, "--resume_from_checkpoint", "latest")))
+        log = caplog.text
+    else:
+        runs = request.getfixturevalue("two_process_cells")
+        done = [runs[f"{kind}-{ga}-{run}"] for run in ("straight", "resumed")]
+        assert [r["exit"] for r in done] == [0, 0], [r["log"][-3000:] for r in done]
+        straight, resumed = (Path(r["out"]) for r in done)
+        log = done[1]["log"]
 
     a, b = train_losses(straight), train_losses(resumed)
     assert sorted(b) == ([5, 6, 7, 8] if ga == 1 else [6, 8])
@@ -60,7 +84,7 @@ def test_resume_continues_the_uninterrupted_curve(kind: str, procs: int, ga: int
         # 4 steps in, the position is past the first chunk (a replay would re-read chunk * CHUNK texts
         # and more); only the current chunk was read again
         assert epoch == 0 and chunk >= 1 and block >= 1 and 0 < reread <= CHUNK
-        assert sorted((resumed / "checkpoints" / "step-0000004").glob("data_state_*.json"))
+        assert sorted((straight / "checkpoints" / "step-0000004").glob("data_state_*.json"))  # what it resumed
 
 
 def test_a_resume_in_another_precision_says_so(tiny_model: Path, corpus: dict, tmp_path: Path,
