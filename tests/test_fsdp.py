@@ -2,7 +2,9 @@
 run DDP there). The same curve as DDP for BERT and RoBERTa, with a trained MLM head and with one
 initialised fresh (a checkpoint without a head, as all-MiniLM-L6-v2); sharded checkpoints that resume
 exactly after a stop signal, refusals of what cannot be resumed, a kill -9 during a sharded save, a
-final/ that is the whole tied model (issue 18); bf16 on DDP and FSDP against fp32 (issue 29)."""
+final/ that is the whole tied model (issue 18); bf16 on DDP and FSDP against fp32 (issue 29). The
+uninterrupted runs share two launches, one per config (the `runs` fixture); a run stopped, killed or slowed
+on purpose has a launch of its own."""
 
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ from tests.conftest import (
     SAME_STEPS,
     free_port,
     last_step,
+    launch_runs,
     read_metrics,
     run_module,
     tiny_args,
@@ -76,50 +79,101 @@ def tiny_roberta_fresh(tiny_roberta: Path, tmp_path_factory: pytest.TempPathFact
     return root
 
 
-def finished_fsdp(model: Path, corpus: dict, out: Path) -> tuple[Path, str]:
-    """A finished FSDP run of STEPS steps with sharded checkpoints every 4 steps; (output_dir, log)."""
-    log = train_two("fsdp.yaml", model, corpus, out, "--max_train_steps", str(STEPS), "--checkpointing_steps", "4",
-                    "--save_total_limit", "2")
-    return out, log
+# the data paths users take, each trained by FSDP2 and by DDP
+DATA_PATHS = [
+    # a stream read by both ranks, two micro-batches a step, whole words masked
+    ("--streaming", "--shuffle_buffer_size", "8", "--max_eval_samples", "16", "--gradient_accumulation_steps", "2",
+     "--whole_word_mask"),
+    # one line per sequence, padded per batch, three micro-batches a step (which do not divide the epoch); an
+    # optimizer that steps on the host's decision (not fused: the gradient norm is read as a plain tensor)
+    ("--line_by_line", "--gradient_accumulation_steps", "3", "--per_device_train_batch_size", "4",
+     "--optimizer_impl", "foreach"),
+]
+DROPOUT = ["--config_overrides", "hidden_dropout_prob=0.1,attention_probs_dropout_prob=0.1"]
+BF16_STEPS = 10
 
 
 @pytest.fixture(scope="module")
-def bert_fsdp(tiny_model: Path, corpus: dict, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
-    return finished_fsdp(tiny_model, corpus, tmp_path_factory.mktemp("bert_fsdp") / "run")
+def runs(tiny_model: Path, tiny_fresh_head: Path, tiny_roberta_fresh: Path, corpus: dict,
+         tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, dict]]:
+    """config ("fsdp.yaml", "cpu_ddp.yaml") -> run id -> the run's result (tests/matrix_driver): every
+    uninterrupted run of this file, each config's under one `accelerate launch` of 2 processes
+    (tests.conftest.launch_runs). FSDP: the tiny BERT (trained head) and its encoder (fresh head) for 20
+    steps with sharded checkpoints every 4; the fresh-head RoBERTa; the data paths; gradient checkpointing;
+    bf16; dropout, straight and resumed from its step 4 into another folder. DDP: the curves FSDP must
+    train."""
+    root = tmp_path_factory.mktemp("fsdp_runs")
+    models = {"bert-trained": tiny_model, "bert-fresh": tiny_fresh_head, "roberta-fresh": tiny_roberta_fresh}
+    straight = ["--max_train_steps", str(STEPS)]
+    bf16 = ["--max_train_steps", str(BF16_STEPS), "--checkpointing_steps", str(BF16_STEPS), "--mixed_precision",
+            "bf16"]
+    dropout = root / "fsdp.yaml" / "dropout-straight"
+    plans = {
+        "fsdp.yaml": {
+            "bert-trained": (tiny_model, [*straight, "--checkpointing_steps", "4", "--save_total_limit", "2"]),
+            "bert-fresh": (tiny_fresh_head, [*straight, "--checkpointing_steps", "4", "--save_total_limit", "2"]),
+            "roberta-fresh": (tiny_roberta_fresh, straight),
+            **{f"path-{i}": (tiny_fresh_head, ["--max_train_steps", "6", *v]) for i, v in enumerate(DATA_PATHS)},
+            "checkpointed": (tiny_fresh_head, ["--max_train_steps", "6", "--gradient_checkpointing"]),
+            "bf16": (tiny_fresh_head, bf16),
+            "dropout-straight": (tiny_fresh_head, ["--max_train_steps", "8", "--checkpointing_steps", "4", *DROPOUT]),
+            "dropout-resumed": (tiny_fresh_head, ["--max_train_steps", "8", "--resume_from_checkpoint",
+                                                  str(dropout / "checkpoints" / "step-0000004"), *DROPOUT]),
+        },
+        "cpu_ddp.yaml": {
+            **{name: (model, straight) for name, model in models.items()},
+            **{f"path-{i}": (tiny_fresh_head, ["--max_train_steps", "6", *v]) for i, v in enumerate(DATA_PATHS)},
+            "bf16": (tiny_fresh_head, bf16),
+        },
+    }
+    done = {}
+    for config, plan in plans.items():
+        cases = [{"id": name, "out": str(root / config / name),
+                  "argv": tiny_args(model, corpus, root / config / name, *COMMON, *extra)}
+                 for name, (model, extra) in plan.items()]
+        done[config] = launch_runs(cases, root / f"results-{config}", config=config,
+                                   env=FSDP_ENV if config == "fsdp.yaml" else None)
+        for name, result in done[config].items():
+            assert result["exit"] == 0, (config, name, result["log"][-3000:])
+            # each run of the FSDP launch shards: the plugin holds for a run after another in one process
+            assert ("DistributedType.FSDP" in result["log"]) == (config == "fsdp.yaml"), (config, name)
+    return done
+
+
+def finished(runs: dict, name: str, config: str = "fsdp.yaml") -> tuple[Path, str]:
+    """(output_dir, log) of one of the shared runs."""
+    return Path(runs[config][name]["out"]), runs[config][name]["log"]
 
 
 @pytest.fixture(scope="module")
-def fresh_fsdp(tiny_fresh_head: Path, corpus: dict, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+def bert_fsdp(runs: dict) -> tuple[Path, str]:
+    return finished(runs, "bert-trained")
+
+
+@pytest.fixture(scope="module")
+def fresh_fsdp(runs: dict) -> tuple[Path, str]:
     """The same, from a checkpoint without an MLM head (it was the run that could not save, issue 29)."""
-    return finished_fsdp(tiny_fresh_head, corpus, tmp_path_factory.mktemp("fresh_fsdp") / "run")
+    return finished(runs, "bert-fresh")
 
 
 @pytest.mark.parametrize(("family", "head"), [("bert", "trained"), ("bert", "fresh"), ("roberta", "fresh")])
-def test_fsdp_trains_the_ddp_curve(family: str, head: str, request: pytest.FixtureRequest, corpus: dict,
-                                   tmp_path: Path) -> None:
+def test_fsdp_trains_the_ddp_curve(family: str, head: str, runs: dict) -> None:
     """fp32, dropout off, global batch 16 both ways: FSDP and DDP sum the same gradients in another order
     (reduce-scatter of shards against all-reduce of buckets), which moves fp32 sums by a few ulps (1e-7
     relative); 1e-5 over 20 steps leaves room for that to compound, and not for one parameter trained
     otherwise (the fresh head's split at the first update was 1e-2). RoBERTa with its trained head is not
     run: its units and tie are the fresh case's (the same RobertaForMaskedLM, whose head is made by loading),
     and a trained head's loading is BERT's case."""
-    fixture = {("bert", "trained"): "tiny_model", ("bert", "fresh"): "tiny_fresh_head",
-               ("roberta", "fresh"): "tiny_roberta_fresh"}[family, head]
-    model = request.getfixturevalue(fixture)
     layer = {"bert": "BertLayer", "roberta": "RobertaLayer"}[family]
-    if family == "bert":
-        fsdp, log = request.getfixturevalue({"trained": "bert_fsdp", "fresh": "fresh_fsdp"}[head])
-    else:
-        fsdp = tmp_path / "fsdp"
-        log = train_two("fsdp.yaml", model, corpus, fsdp, "--max_train_steps", str(STEPS))
+    fsdp, log = finished(runs, f"{family}-{head}")
     assert ("has no trained MLM head" in log) == (head == "fresh")
     assert "mlm_ddp keeps its FSDP2 plugin (gloo)" in log
     assert "topology: 2 process(es) on 1 node(s), DistributedType.FSDP" in log
     # the wrap class comes from the model; the embeddings, tied to the head, stay in the root unit with it
     assert f"FSDP units: each {layer} (taken from the model)" in log
     assert "Embeddings, which holds a parameter tied to the MLM head" in log
-    train_two("cpu_ddp.yaml", model, corpus, tmp_path / "ddp", "--max_train_steps", str(STEPS))
-    a, b = train_losses(tmp_path / "ddp"), train_losses(fsdp)
+    ddp, _ = finished(runs, f"{family}-{head}", "cpu_ddp.yaml")
+    a, b = train_losses(ddp), train_losses(fsdp)
     assert sorted(b) == list(range(1, STEPS + 1))
     worst = max_rel_diff(a, b)
     print(f"{family}, {head} head: FSDP vs DDP, largest relative loss difference over {STEPS} steps: {worst:.2e}")
@@ -212,39 +266,23 @@ def test_final_is_the_whole_tied_model_and_evaluates_as_the_last_eval(
     assert first_eval["eval_loss"] == pytest.approx(last_eval["eval_loss"], rel=SAME_STEPS)
 
 
-@pytest.mark.parametrize("variant", [
-    # a stream read by both ranks, two micro-batches a step, whole words masked
-    ("--streaming", "--shuffle_buffer_size", "8", "--max_eval_samples", "16", "--gradient_accumulation_steps", "2",
-     "--whole_word_mask"),
-    # one line per sequence, padded per batch, three micro-batches a step (which do not divide the epoch); an
-    # optimizer that steps on the host's decision (not fused: the gradient norm is read as a plain tensor)
-    ("--line_by_line", "--gradient_accumulation_steps", "3", "--per_device_train_batch_size", "4",
-     "--optimizer_impl", "foreach"),
-])
-def test_fsdp_trains_the_ddp_curve_on_the_data_paths_users_take(variant: tuple[str, ...], tiny_fresh_head: Path,
-                                                                corpus: dict, tmp_path: Path) -> None:
-    runs, norms = {}, {}
+@pytest.mark.parametrize("path", range(len(DATA_PATHS)))
+def test_fsdp_trains_the_ddp_curve_on_the_data_paths_users_take(path: int, runs: dict) -> None:
+    losses, norms = {}, {}
     for config in ("cpu_ddp.yaml", "fsdp.yaml"):
-        train_two(config, tiny_fresh_head, corpus, tmp_path / config, "--max_train_steps", "6", *variant)
-        runs[config] = train_losses(tmp_path / config)
-        norms[config] = {r["step"]: r["grad_norm"] for r in read_metrics(tmp_path / config) if "loss" in r}
-    assert sorted(runs["fsdp.yaml"]) == list(range(1, 7))
-    assert max_rel_diff(runs["cpu_ddp.yaml"], runs["fsdp.yaml"]) <= SAME_STEPS
+        out, _ = finished(runs, f"path-{path}", config)
+        losses[config] = train_losses(out)
+        norms[config] = {r["step"]: r["grad_norm"] for r in read_metrics(out) if "loss" in r}
+    assert sorted(losses["fsdp.yaml"]) == list(range(1, 7))
+    assert max_rel_diff(losses["cpu_ddp.yaml"], losses["fsdp.yaml"]) <= SAME_STEPS
     # the logged norm is the whole model's under FSDP2 too, not one rank's shard of it
     assert max_rel_diff(norms["cpu_ddp.yaml"], norms["fsdp.yaml"]) <= SAME_STEPS
 
 
-def test_fsdp_with_dropout_resumes_into_another_folder_with_the_same_losses(
-        fresh_fsdp: tuple[Path, str], tiny_fresh_head: Path, corpus: dict, tmp_path: Path) -> None:
+def test_fsdp_with_dropout_resumes_into_another_folder_with_the_same_losses(runs: dict, fresh_fsdp: tuple[Path, str]
+                                                                          ) -> None:
     """Dropout on: the resumed run draws the masks the straight one drew, from every rank's restored RNG."""
-    dropout = ["--config_overrides", "hidden_dropout_prob=0.1,attention_probs_dropout_prob=0.1"]
-    straight = tmp_path / "straight"
-    train_two("fsdp.yaml", tiny_fresh_head, corpus, straight, "--max_train_steps", "8", "--checkpointing_steps", "4",
-              *dropout)
-    resumed = tmp_path / "resumed"
-    train_two("fsdp.yaml", tiny_fresh_head, corpus, resumed, "--max_train_steps", "8", "--resume_from_checkpoint",
-              str(straight / "checkpoints" / "step-0000004"), *dropout)
-    a, b = train_losses(straight), train_losses(resumed)
+    a, b = (train_losses(finished(runs, name)[0]) for name in ("dropout-straight", "dropout-resumed"))
     assert sorted(b) == [5, 6, 7, 8]
     assert max(abs(a[s] - b[s]) / a[s] for s in b) <= SAME_STEPS
     # dropout was on: the same steps without it (fresh_fsdp) have other losses
@@ -252,12 +290,10 @@ def test_fsdp_with_dropout_resumes_into_another_folder_with_the_same_losses(
     assert max(abs(a[s] - no_dropout[s]) / no_dropout[s] for s in a) > 100 * SAME_STEPS
 
 
-def test_gradient_checkpointing_under_fsdp_trains_the_same_curve(fresh_fsdp: tuple[Path, str], tiny_fresh_head: Path,
-                                                                   corpus: dict, tmp_path: Path) -> None:
+def test_gradient_checkpointing_under_fsdp_trains_the_same_curve(runs: dict, fresh_fsdp: tuple[Path, str]) -> None:
     """Dropout off: recomputing each layer in the backward gives the same gradients, and the last layer
     runs on every position (the subset path is off), which changes only the summation order."""
-    out = tmp_path / "checkpointed"
-    log = train_two("fsdp.yaml", tiny_fresh_head, corpus, out, "--max_train_steps", "6", "--gradient_checkpointing")
+    out, log = finished(runs, "checkpointed")
     assert "--gradient_checkpointing recomputes the layer's full forward" in log
     straight, checkpointed = train_losses(fresh_fsdp[0]), train_losses(out)
     assert sorted(checkpointed) == list(range(1, 7))
@@ -268,8 +304,7 @@ BF16_UNIT_ROUNDOFF = 2.0**-8  # bf16 keeps 8 significant bits
 
 
 @pytest.mark.parametrize("config", ["cpu_ddp.yaml", "fsdp.yaml"])
-def test_bf16_trains_within_bf16_rounding_of_fp32(config: str, fresh_fsdp: tuple[Path, str], tiny_fresh_head: Path,
-                                                  corpus: dict, tmp_path: Path) -> None:
+def test_bf16_trains_within_bf16_rounding_of_fp32(config: str, runs: dict, fresh_fsdp: tuple[Path, str]) -> None:
     """bf16 on two CPU processes (native on AVX512-BF16/AMX, emulated elsewhere: the same roundings).
 
     The bound: each logit carries bf16's relative rounding (at most 2^-8 of it), and the loss is a mean of
@@ -281,10 +316,8 @@ def test_bf16_trains_within_bf16_rounding_of_fp32(config: str, fresh_fsdp: tuple
     from torch.distributed.checkpoint import FileSystemReader
 
     fp32 = train_losses(fresh_fsdp[0])
-    out = tmp_path / "bf16"
-    steps = 10
-    log = train_two(config, tiny_fresh_head, corpus, out, "--max_train_steps", str(steps), "--checkpointing_steps",
-                    str(steps), "--mixed_precision", "bf16")
+    out, log = finished(runs, "bf16", config)
+    steps = BF16_STEPS
     assert "precision bf16 (--mixed_precision bf16)" in log
     bf16 = train_losses(out)
     assert sorted(bf16) == list(range(1, steps + 1))
