@@ -233,14 +233,12 @@ def launch_runs(cases: list[dict], results: Path, procs: int = 2, config: str = 
     results.mkdir(parents=True)
     spec = results / "cases.json"
     spec.write_text(json.dumps(cases))
-    command = [sys.executable, "-m", "tests.matrix_driver"]
+    driver = ["tests.matrix_driver", str(spec), str(results)]
     if procs > 1:
-        command[2:2] = [*LAUNCH, "--config_file", str(CONFIGS / config), "--num_processes", str(procs),
-                        "--main_process_port", str(free_port()), "-m"]
-    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": f"{REPO}:{os.environ.get('PYTHONPATH', '')}",
-                **(env or {})}
-    proc = subprocess.run([*command, str(spec), str(results)], cwd=REPO, env=full_env, capture_output=True,
-                          text=True, timeout=timeout)
+        driver = [*LAUNCH, "--config_file", str(CONFIGS / config), "--num_processes", str(procs),
+                  "--main_process_port", str(free_port()), "-m", *driver]
+    proc = run_module(driver, env={"PYTHONPATH": f"{REPO}:{os.environ.get('PYTHONPATH', '')}", **(env or {})},
+                      timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-4000:]
     by_rank = [json.loads((results / f"results_{r}.json").read_text()) for r in range(procs)]
     for rank_results in by_rank[1:]:

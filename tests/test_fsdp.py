@@ -105,25 +105,27 @@ def runs(tiny_model: Path, tiny_fresh_head: Path, tiny_roberta_fresh: Path, corp
     root = tmp_path_factory.mktemp("fsdp_runs")
     models = {"bert-trained": tiny_model, "bert-fresh": tiny_fresh_head, "roberta-fresh": tiny_roberta_fresh}
     straight = ["--max_train_steps", str(STEPS)]
-    bf16 = ["--max_train_steps", str(BF16_STEPS), "--checkpointing_steps", str(BF16_STEPS), "--mixed_precision",
-            "bf16"]
+    sharded = [*straight, "--checkpointing_steps", "4", "--save_total_limit", "2"]
+    paths = {f"path-{i}": (tiny_fresh_head, ["--max_train_steps", "6", *v]) for i, v in enumerate(DATA_PATHS)}
+    bf16 = (tiny_fresh_head, ["--max_train_steps", str(BF16_STEPS), "--checkpointing_steps", str(BF16_STEPS),
+                              "--mixed_precision", "bf16"])
     dropout = root / "fsdp.yaml" / "dropout-straight"
     plans = {
         "fsdp.yaml": {
-            "bert-trained": (tiny_model, [*straight, "--checkpointing_steps", "4", "--save_total_limit", "2"]),
-            "bert-fresh": (tiny_fresh_head, [*straight, "--checkpointing_steps", "4", "--save_total_limit", "2"]),
+            "bert-trained": (tiny_model, sharded),
+            "bert-fresh": (tiny_fresh_head, sharded),
             "roberta-fresh": (tiny_roberta_fresh, straight),
-            **{f"path-{i}": (tiny_fresh_head, ["--max_train_steps", "6", *v]) for i, v in enumerate(DATA_PATHS)},
+            **paths,
             "checkpointed": (tiny_fresh_head, ["--max_train_steps", "6", "--gradient_checkpointing"]),
-            "bf16": (tiny_fresh_head, bf16),
+            "bf16": bf16,
             "dropout-straight": (tiny_fresh_head, ["--max_train_steps", "8", "--checkpointing_steps", "4", *DROPOUT]),
             "dropout-resumed": (tiny_fresh_head, ["--max_train_steps", "8", "--resume_from_checkpoint",
                                                   str(dropout / "checkpoints" / "step-0000004"), *DROPOUT]),
         },
         "cpu_ddp.yaml": {
             **{name: (model, straight) for name, model in models.items()},
-            **{f"path-{i}": (tiny_fresh_head, ["--max_train_steps", "6", *v]) for i, v in enumerate(DATA_PATHS)},
-            "bf16": (tiny_fresh_head, bf16),
+            **paths,
+            "bf16": bf16,
         },
     }
     done = {}
