@@ -61,6 +61,8 @@ class Hooks:
     before_checkpoint_marker: Callable[[], None] | None = None  # runs inside every save, before its marker
     on_beat: Callable[[Beat], None] | None = None  # runs after every heartbeat (e.g. to freeze a rank there)
     loss_factor: Callable[[int, int], float] | None = None  # (step, micro-batch) -> its loss multiplied by this
+    # (name, part, per rank): resumable parts registered beside the run's own (loop/resumable.py)
+    parts: list[tuple[str, Any, bool]] = field(default_factory=list)
 
 
 @dataclass
@@ -203,12 +205,18 @@ def build(cfg: Config, checked: Checked, hooks: Hooks) -> Training:
     heartbeat.start()
     usage = utilisation(checked.model_config, cfg.data.max_seq_length, cfg.run.peak_tflops, accelerator, model)
     log = RunLog(cfg, accelerator, checked.trackers, start.state.step, data.total_steps, start.resume_from is not None,
-                 start.state.tokens_seen, usage, heartbeat.beat, start.state.log_window)
+                 start.state.tokens_seen, usage, heartbeat.beat)
     every = probing.EveryEval(cfg, accelerator, wait, checked.folder, model, checked.tokenizer, heartbeat.beat)
     evaluator = Evaluator(cfg.run.eval_steps, data.total_steps, accelerator, model, data.eval_loader, heartbeat.beat,
                           mlm_probability=cfg.data.eval_mlm_probability, then=every.at_eval)
-    spikes = LossSpikes(cfg.run.on_loss_spike, cfg.run.loss_spike_factor, cfg.run.loss_spike_window,
-                        start.state.spike_history)
+    spikes = LossSpikes(cfg.run.on_loss_spike, cfg.run.loss_spike_factor, cfg.run.loss_spike_window)
+    # what a resume (read above) and a rollback put back besides the model, the optimizer and the counters; each
+    # part gets its section as it registers
+    checkpointer.register("log", log)
+    if spikes.guard is not None:
+        checkpointer.register("loss_spike_guard", spikes)
+    for name, part, per_rank in hooks.parts:
+        checkpointer.register(name, part, per_rank)
     skips = SkippedSteps(cfg.run.on_nonfinite_loss, accelerator, spikes, checkpointer.latest)
     return Training(cfg, checked, accelerator, wait, data, model, optimizer, scheduler, feed, stream_state, log,
                     evaluator, checkpointer, heartbeat, hooks, spikes, skips, every)
@@ -327,9 +335,11 @@ def trainer_state(run: Training, step: int, at: mdata.FeedPosition) -> ckpt.Trai
     """The counters a checkpoint after `step` saves, the data at `at` (a collective: every rank's tokens, and a
     mixture's counts of each source)."""
     sampler = run.feed.sampler
-    return ckpt.TrainerState(step, at.epoch, at.batch_in_epoch, run.log.tokens_total(), run.accelerator.num_processes,
-                             at.block_in_epoch, None if sampler is None else sampler.layout_batch,
-                             run.checked.precision[0], run.feed.counted(), run.log.window(), run.spikes.history())
+    return ckpt.TrainerState(
+        step=step, epoch=at.epoch, batch_in_epoch=at.batch_in_epoch, tokens_seen=run.log.tokens_total(),
+        world_size=run.accelerator.num_processes, block_in_epoch=at.block_in_epoch,
+        layout_batch=None if sampler is None else sampler.layout_batch, precision=run.checked.precision[0],
+        sources=run.feed.counted())
 
 
 def position_after(run: Training, step: int) -> tuple[ckpt.TrainerState, dict | None]:

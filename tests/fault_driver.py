@@ -32,6 +32,8 @@ production code's environment:
   from a slow shared filesystem), while the others wait for it in the join.
 - `--spike STEP:FACTOR`: the first micro-batch of step STEP has its loss multiplied by FACTOR on every
   rank, once (a replay of that step after a rollback is not spiked again).
+- `--tally`: two resumable parts of the test's own (`Tally`, loop/resumable.py), registered beside the run's:
+  `tally` (the same on every rank) and `tally_rank` (each rank's own); each holds the steps it saw start.
 
 Runs under `accelerate launch -m tests.fault_driver` too (cwd: the repo).
 """
@@ -126,6 +128,33 @@ def delay_on_rank(where: str, owner: object, name: str) -> None:
     setattr(owner, name, slow)
 
 
+class Tally:
+    """A resumable part of the test's own: the steps it saw start, in order (`see`, through Hooks.loss_factor).
+    A run restored exactly holds 1..N at its step N, every step once; `rank`: a part each rank saves for
+    itself, which refuses another rank's state."""
+
+    def __init__(self, rank: int | None = None) -> None:
+        self.rank, self.steps = rank, []
+
+    def see(self, step: int, micro_batch: int) -> None:
+        if micro_batch == 0:
+            self.steps.append(step)
+
+    def state_dict(self) -> dict:
+        return {"steps": list(self.steps), **({} if self.rank is None else {"rank": self.rank})}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("rank") != self.rank:
+            raise ValueError(f"rank {self.rank} was given rank {state.get('rank')}'s tally")
+        self.steps = list(state["steps"])
+
+
+def loss_factors(tallies: list[Tally], spike: OneSpike | None, step: int, micro_batch: int) -> float:
+    for tally in tallies:
+        tally.see(step, micro_batch)
+    return 1.0 if spike is None else spike(step, micro_batch)
+
+
 class OneSpike:
     """Hooks.loss_factor that multiplies one micro-batch's loss, the first time its step runs."""
 
@@ -155,6 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kill_node", metavar="STEP", type=int)
     parser.add_argument("--late", metavar="RANK:S")
     parser.add_argument("--slow_preflight", metavar="RANK:S")
+    parser.add_argument("--tally", action="store_true")
     faults, train_argv = parser.parse_known_args(argv)
     killed = Path(train_argv[train_argv.index("--output_dir") + 1] + ".killed") if faults.kill else None
     if faults.late is not None and killed and killed.exists() and os.environ.get("RANK") == faults.late.split(":")[0]:
@@ -192,7 +222,13 @@ def main(argv: list[str] | None = None) -> int:
     if faults.kill_node is not None:
         freeze = functools.partial(kill_node_at, faults.kill_node)
     spike = None if faults.spike is None else OneSpike(faults.spike)
-    return train_main(train_argv, Hooks(before_checkpoint_marker=slow, on_beat=freeze, loss_factor=spike))
+    factor, parts = spike, []
+    if faults.tally:
+        tallies = [Tally(), Tally(int(os.environ.get("RANK", "0")))]
+        factor = functools.partial(loss_factors, tallies, spike)
+        parts = [("tally", tallies[0], False), ("tally_rank", tallies[1], True)]
+    return train_main(train_argv, Hooks(before_checkpoint_marker=slow, on_beat=freeze, loss_factor=factor,
+                                        parts=parts))
 
 
 if __name__ == "__main__":

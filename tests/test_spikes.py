@@ -100,8 +100,8 @@ def test_a_resumed_run_judges_its_first_steps_against_the_losses_the_checkpoint_
 
     out = tmp_path / "resumed"
     shutil.copytree(no_spike / "checkpoints" / f"step-{SAVED:07d}", out / "checkpoints" / f"step-{SAVED:07d}")
-    saved = json.loads((out / "checkpoints" / f"step-{SAVED:07d}" / "trainer_state.json").read_text())
-    assert len(saved["spike_history"]) == SAVED and saved["spike_history"] == [
+    saved = json.loads((out / "checkpoints" / f"step-{SAVED:07d}" / "parts.json").read_text())["loss_spike_guard"]
+    assert len(saved["history"]) == SAVED and saved["history"] == [
         loss for step, loss in sorted(train_losses(no_spike).items()) if step <= SAVED]
     spike = Hooks(loss_factor=OneSpike(f"{SAVED + 1}:{FACTOR}"))
     train(parse_args(tiny_args(tiny_model, corpus, out, *COMMON, "--on_loss_spike", "skip",

@@ -4,8 +4,9 @@ newest-complete-first, validated before loading, rotated) and its cadence (`Chec
 Layout: `output_dir/checkpoints/step-0000500/` holding accelerate's `save_state` files (model in
 safetensors, optimizer, RNG states of every rank; all loaded with `weights_only=True`; under FSDP the
 model and optimizer are sharded folders, `pytorch_model_fsdp_0/` and `optimizer_0/`),
-`scheduler.json`, `trainer_state.json` (counters and data position), `config.yaml` (the resolved
-config of the run) and, written last, the marker `COMPLETE`. A save goes to `.tmp-step-*` first, is
+`scheduler.json`, `trainer_state.json` (counters and data position), the sections of the run's other
+resumable parts (`parts.json`, `parts_rank{R}.json`: resumable.py), `config.yaml` (the resolved config of
+the run) and, written last, the marker `COMPLETE`. A save goes to `.tmp-step-*` first, is
 fsynced, and is renamed into place only when complete, so a crash mid-save never leaves a folder
 that `latest` would pick up.
 """
@@ -37,6 +38,7 @@ from mlm_ddp.compat.accelerate import set_micro_batch_count
 from mlm_ddp.compat.torch import DCP_METADATA_PRIVATE
 from mlm_ddp.config import RunConfig
 from mlm_ddp.errors import BadInput, CheckpointWriteError
+from mlm_ddp.loop.resumable import Parts, Stateful, rank_file
 from mlm_ddp.loop.schedule import check_continuation, continue_schedule
 
 logger = get_logger(__name__)
@@ -57,7 +59,9 @@ _STEP_DIR = re.compile(r"^step-(\d{7,})$")
 
 @dataclass
 class TrainerState:
-    """Counters a resumed run continues from, and where each rank's data continues."""
+    """Counters a resumed run continues from, and where each rank's data continues: what the folder policy
+    (run/run_folder.py) reads before anything is built. Every other resumable part is a section of
+    resumable.py's files."""
 
     step: int  # optimizer steps done
     epoch: int  # epoch of the next micro-batch to read
@@ -72,11 +76,6 @@ class TrainerState:
     # a mixture's: each source's name, blocks, tokens and passes trained so far, all ranks (data/counts.py); None:
     # one source, or a checkpoint older than these counts
     sources: list[dict] | None = None
-    # (loss sum, masked, tokens) of every rank since the last metrics line (--logging_steps > 1), which the first
-    # line after a resume adds in; None: older
-    log_window: list[float] | None = None
-    # --on_loss_spike: the losses the guard judges against (spikes.LossSpikeGuard); None: no guard, or older
-    spike_history: list[float] | None = None
 
 
 def checkpoints_dir(output_dir: str | Path) -> Path:
@@ -246,10 +245,10 @@ def temp_dir(output_dir: str | Path, step: int) -> Path:
 
 
 def written_by_rank(path: Path, rank: int) -> bool:
-    """The files of a checkpoint that rank `rank` writes: its RNG states, its stream position, its
-    FSDP shards. On a network filesystem only the writer's fsync makes them durable, so each rank
+    """The files of a checkpoint that rank `rank` writes: its RNG states, its stream position, its own
+    parts' sections, its FSDP shards. On a network filesystem only the writer's fsync makes them durable, so each rank
     fsyncs its own before the main process marks the checkpoint complete."""
-    return path.name in (rng_file(rank), data_state_name(rank), f"__{rank}_0.distcp")
+    return path.name in (rng_file(rank), data_state_name(rank), rank_file(rank), f"__{rank}_0.distcp")
 
 
 def finalize(tmp: Path, state: TrainerState, config_yaml: str,
@@ -339,6 +338,11 @@ class Checkpointer:
         self.config_yaml, self.before_marker, self.beat = config_yaml, before_marker, beat
         self.saved_step = resumed_step  # the step of this run's newest complete checkpoint
         self.allow_lr_jump = run.allow_lr_jump
+        self.parts = Parts(accelerator.process_index)
+
+    def register(self, name: str, part: Stateful, per_rank: bool = False) -> None:
+        """A part every checkpoint saves and every resume and rollback restores (resumable.py)."""
+        self.parts.register(name, part, per_rank)
 
     def due(self, step: int, epoch_ended: bool) -> bool:
         every = self.every
@@ -373,6 +377,7 @@ class Checkpointer:
         """
         accelerator, is_main = self.accelerator, self.accelerator.is_main_process
         tmp, final = temp_dir(self.out, state.step), checkpoints_dir(self.out) / step_dir_name(state.step)
+        parts = self.parts.collect()  # every rank at once: a part's state may be a collective (the log's sums)
         if is_main and tmp.exists():
             shutil.rmtree(tmp)  # the leftovers of a save that was interrupted
         self.wait.barrier()
@@ -380,6 +385,7 @@ class Checkpointer:
         try:
             with self.patient():
                 accelerator.save_state(str(tmp))
+            self.parts.write(tmp, parts, is_main)
             if data_state is not None:  # this rank's stream position
                 (tmp / data_state_name(accelerator.process_index)).write_text(json.dumps(data_state))
             if not is_main:  # the main process fsyncs the whole folder in `finalize`
@@ -430,7 +436,8 @@ class Checkpointer:
         of processes, whose ranks read other parts of the stream)."""
         if start.resume_from is None:
             return None
-        self.restore(start.resume_from, start.accepted_changes, start.state.step)
+        self.restore(start.resume_from, start.accepted_changes, start.state.step,
+                     same_world=start.written_by == start.world_size)
         logger.info("resumed from %s at step %d%s", start.resume_from, start.state.step,
                     f", written by {start.written_by} process(es)" if start.elastic else "")
         if start.note:
@@ -440,10 +447,11 @@ class Checkpointer:
                            start.state.precision, *precision)
         return None if start.elastic else read_data_state(start.resume_from, self.accelerator.process_index)
 
-    def restore(self, path: Path, accepted_changes: dict, step: int) -> None:
-        """Load a checkpoint that `run_folder.check_resume` accepted. Tensors come from safetensors or from
-        `torch.load(weights_only=True)` (accelerate's default), the scheduler from JSON: a folder that
-        holds anything else is refused, never executed."""
+    def restore(self, path: Path, accepted_changes: dict, step: int, same_world: bool = True) -> None:
+        """Load a checkpoint that `run_folder.check_resume` accepted, and restore every registered part
+        (`same_world`: this number of processes wrote it). Tensors come from safetensors or from
+        `torch.load(weights_only=True)` (accelerate's default), the scheduler and the parts from JSON: a folder
+        that holds anything else is refused, never executed."""
         import torch
 
         from mlm_ddp.loop.optim import implementation, restore_implementation
@@ -471,6 +479,7 @@ class Checkpointer:
             # accelerate restores its micro-batch counter, which decides the micro-batch that all-reduces
             # the gradients: recount it for this run's accumulation (a resume may change it)
             set_micro_batch_count(self.accelerator, step * self.accelerator.gradient_accumulation_steps)
+            self.parts.load(path, same_world)
         except (torch.distributed.DistError, BadInput):
             raise
         except Exception as err:  # safetensors, torch.load and load_state_dict each have their own types

@@ -63,17 +63,20 @@ def _slot(at: Any, words: str) -> str:
 class LossSpikes:
     """--on_loss_spike's guard and response; `counts` are the steps skipped and the rollbacks."""
 
-    def __init__(self, mode: str, factor: float, window: int, history: list[float] | None = None) -> None:
-        """`history`: the accepted losses a checkpoint saved (`history()`), so that a resumed run judges its
-        first steps as the uninterrupted run does; without it the guard judges nothing for MIN_HISTORY steps."""
+    def __init__(self, mode: str, factor: float, window: int) -> None:
         self.mode, self.factor = mode, factor
-        self.guard = None if mode == "off" else LossSpikeGuard(factor, window, history)
+        self.guard = None if mode == "off" else LossSpikeGuard(factor, window)
         self.counts = {"skipped": 0, "rolled_back": 0}
         self.spiked_windows: set[tuple] = set()  # positions of windows a rollback skips
 
-    def history(self) -> list[float] | None:
-        """The guard's accepted losses, for a checkpoint (None: no guard)."""
-        return None if self.guard is None else list(self.guard.history)
+    def state_dict(self) -> dict[str, list[float]]:
+        """A resumable part (loop/resumable.py; registered where the guard is on): the accepted losses the guard
+        judges against, so that a resumed run judges its first steps as the uninterrupted run does, and a rollback
+        judges the replayed steps against the checkpoint's losses, each joining them once."""
+        return {"history": list(self.guard.history)}
+
+    def load_state_dict(self, state: dict[str, list[float]]) -> None:
+        self.guard.history = collections.deque(state["history"], maxlen=self.guard.history.maxlen)
 
     def words(self, step: int, spike: Spike) -> str:
         return (f"step {step + 1}: loss {spike.loss:.4f} is {spike.loss / spike.median:.1f}x the median "
@@ -102,12 +105,11 @@ class LossSpikes:
         world, rank = checkpointer.accelerator.num_processes, checkpointer.accelerator.process_index
         if saved.world_size != world:
             return None
-        checkpointer.restore(latest, {}, saved.step)
+        checkpointer.restore(latest, {}, saved.step)  # with every registered part: the log's sums, this guard's
+        # where the data and the counters continue: the trainer state's, as a resume's start reads them
         feed.seek(saved.epoch, saved.batch_in_epoch, saved.block_in_epoch,
                   None if feed.sampler is not None else ckpt.read_data_state(latest, rank), saved.sources)
-        log.rewind(saved.step, saved.tokens_seen, saved.log_window)
-        # the losses the checkpoint's run had judged by then: the replayed steps' join them once, not twice
-        self.guard.history = collections.deque(saved.spike_history or [], maxlen=self.guard.history.maxlen)
+        log.rewind(saved.step, saved.tokens_seen)
         self.spiked_windows.add(window_key(at))
         self.counts["rolled_back"] += 1
         logger.warning("%s: rolled back to %s; the step's %d micro-batch(es) from epoch %d, micro-batch %d%s on are "

@@ -204,7 +204,7 @@ class RunLog:
 
     def __init__(self, cfg: Config, accelerator: Accelerator, trackers: list[str], start_step: int,
                  total_steps: int, resumed: bool, tokens_before: int, usage: Utilisation | None = None,
-                 beat: PhaseReport = unreported, window: list[float] | None = None) -> None:
+                 beat: PhaseReport = unreported) -> None:
         self.accelerator, self.trackers, self.every = accelerator, trackers, cfg.run.logging_steps
         self.max_grad_norm = cfg.training.max_grad_norm  # 0: no clipping
         self.beat = beat
@@ -220,7 +220,8 @@ class RunLog:
                         out.resolve().name, f"; not installed, so not used: {', '.join(skipped)}" if skipped else "")
             accelerator.init_trackers(TRACKING_PROJECT, init_kwargs=tracker_kwargs(out, trackers),
                                       config=tracker_config(cfg))
-        self.since_log, self.carried_tokens = self._carried(window)
+        # the sums since the last metrics line; a resume puts a checkpoint's back (`load_state_dict`)
+        self.since_log, self.carried_tokens = StepSums.zeros(accelerator.device), 0.0
         self.trained = torch.zeros((), dtype=torch.float64, device=accelerator.device)  # this rank's tokens
         # the last step's gradient norm before clipping, on the device (the same on every rank)
         self.grad_norm = torch.zeros((), dtype=torch.float64, device=accelerator.device)
@@ -236,29 +237,28 @@ class RunLog:
             kept = [line for line, record in read_metrics_lines(self.path) if record.get("step", 0) <= step]
             write_atomic(self.path, "".join(line + "\n" for line in kept))
 
-    def _carried(self, window: list[float] | None) -> tuple[StepSums, float]:
-        """The sums since the last metrics line that a checkpoint carried over (`window`: every rank's, from
-        `window`; None: none, or a checkpoint older than them), on the main process alone since `maybe` adds
-        the ranks up; and its tokens, which the record's tokens/s leaves out (they were trained before the
-        clock started). So the first line after a resume covers the same steps as an uninterrupted run's."""
+    def state_dict(self) -> dict[str, float]:
+        """A resumable part (loop/resumable.py): the sums of every rank since the last metrics line
+        (--logging_steps > 1), which the first line after a resume adds in (a collective)."""
+        loss_sum, masked, tokens = self.since_log.reduced(self.accelerator)
+        return {"loss_sum": loss_sum, "masked": masked, "tokens": tokens}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        """A checkpoint's sums, held by the main process alone since `maybe` adds the ranks up; and their tokens,
+        which the record's tokens/s leaves out (they were trained before the clock started). So the first line
+        after a resume or a rollback covers the same steps as an uninterrupted run's."""
         sums = StepSums.zeros(self.accelerator.device)
-        if not window:
-            return sums, 0.0
         if self.accelerator.is_main_process:
-            sums = StepSums(*torch.tensor(window, dtype=torch.float64, device=self.accelerator.device).unbind())
-        return sums, window[2]
+            sums = StepSums(*torch.tensor([state["loss_sum"], state["masked"], state["tokens"]], dtype=torch.float64,
+                                          device=self.accelerator.device).unbind())
+        self.since_log, self.carried_tokens = sums, float(state["tokens"])
 
-    def window(self) -> list[float]:
-        """(loss sum, masked, tokens) of every rank since the last metrics line, for a checkpoint (a collective)."""
-        return self.since_log.reduced(self.accelerator)
-
-    def rewind(self, step: int, tokens_seen: int, window: list[float] | None = None) -> None:
-        """Back to a checkpoint's `step` (a loss-spike rollback): its lines, counts, progress and the sums since
-        its last metrics line (`window`)."""
+    def rewind(self, step: int, tokens_seen: int) -> None:
+        """Back to a checkpoint's `step` (a loss-spike rollback): its lines, counts and progress (its sums since
+        the last metrics line are the part `load_state_dict` restores)."""
         self._trim(step)
         self.tokens_before, self.start_step = tokens_seen, step
         self.trained = torch.zeros_like(self.trained)
-        self.since_log, self.carried_tokens = self._carried(window)
         if self.progress is not None:
             self.progress.n = step
             self.progress.refresh()
