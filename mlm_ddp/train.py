@@ -21,7 +21,7 @@ import sys
 import time
 from collections.abc import Callable
 from contextlib import ExitStack
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, NoReturn
 
 import torch
@@ -93,11 +93,12 @@ class TrainResult:
 class Checked:
     """What the preflight found and loaded; nothing is written yet."""
 
+    cfg: Config  # the run's, resolved: --decay_from's end and decay in steps, --global_batch_size's accumulation
     tokenizer: Any
     model_config: Any
     topo: distributed.Topology
     fsdp_plugin: Any
-    precision: tuple[str, str]  # (the mixed precision it trains in, why)
+    precision: tuple[str, str]  # (the mixed precision this process chose, why); the run's: Training.precision
     folder: RunFolder
     start: Start  # may it use the folder, from which checkpoint and counters it starts (run_folder.py)
     trackers: list[str]
@@ -107,21 +108,22 @@ class Checked:
     notes: list[str]  # warning lines: inputs taken as given that are likely a mistake (logged once the run starts)
 
 
-def check_inputs(cfg: Config) -> tuple[Any, Any]:
-    """What needs no process and writes nothing (submit checks it too); returns (tokenizer, model config)."""
+def check_inputs(cfg: Config) -> tuple[Config, Any, Any]:
+    """What needs no process and writes nothing (submit checks it too); returns (the config with --decay_from
+    resolved, tokenizer, model config)."""
     compat.check()  # the other libraries' internals mlm_ddp reaches are where this release keeps them
-    branch.resolve(cfg)  # --decay_from: the run's end and decay, in steps (branch.py)
+    cfg = branch.resolved(cfg)  # --decay_from: the run's end and decay, in steps (branch.py)
     tokenizer = load_tokenizer(cfg.model, needs_word_ids=cfg.data.whole_word_mask)
     model_config = load_model_config(cfg.model, tokenizer)
     check_fits(cfg.data.max_seq_length, model_config, tokenizer)
     probing.check(cfg)  # its warnings (a test set that is the training set) are said when it runs
-    return tokenizer, model_config
+    return cfg, tokenizer, model_config
 
 
 def preflight(cfg: Config) -> Checked:
-    tokenizer, model_config = check_inputs(cfg)
+    cfg, tokenizer, model_config = check_inputs(cfg)
     topo = distributed.detect()
-    cfg.training.gradient_accumulation_steps = cfg.training.accumulation_for(topo.world_size)  # --global_batch_size
+    cfg = replace(cfg, training=cfg.training.for_world(topo.world_size))  # --global_batch_size's accumulation
     fsdp_plugin = distributed.fsdp_plugin_from_launcher()
     collectives.check_fsdp_plugin(fsdp_plugin, cuda=bool(topo.cuda_devices))
     chosen = precision.choose_precision(cfg.training.mixed_precision, precision.launcher_precision(),
@@ -131,7 +133,7 @@ def preflight(cfg: Config) -> Checked:
                         stream_bytes=functools.partial(stream_bytes, cfg))
     trackers, hub_repo = check_trackers(cfg.run), check_hub(cfg.run, uploads=topo.rank == 0)
     raw_train, raw_eval = mdata.load_data(cfg.data, cfg.training.seed, tokenizer)  # one source, several, or prepared
-    return Checked(tokenizer, model_config, topo, fsdp_plugin, chosen, folder, start, trackers, hub_repo,
+    return Checked(cfg, tokenizer, model_config, topo, fsdp_plugin, chosen, folder, start, trackers, hub_repo,
                    raw_train, raw_eval, folder.notes())
 
 
@@ -153,6 +155,7 @@ class Training:
     cfg: Config
     checked: Checked
     accelerator: Accelerator
+    precision: tuple[str, str]  # (the mixed precision the run trains in, why): every process's, agreed at start-up
     wait: collectives.MainProcessWait  # the long-timeout group in which ranks wait for the main process
     data: mdata.RankData
     model: torch.nn.Module
@@ -179,7 +182,7 @@ def build(cfg: Config, checked: Checked, hooks: Hooks) -> Training:
     timeouts = collectives.Timeouts(cfg.run.ddp_timeout, cfg.run.save_timeout, cfg.run.rendezvous_timeout)
     started = collectives.start_accelerator(checked.topo, checked.fsdp_plugin, cfg.training, checked.precision,
                                             timeouts, checked.trackers, path)
-    accelerator, checked.precision, wait = started.accelerator, started.precision, started.wait
+    accelerator, wait = started.accelerator, started.wait
     agree_on_resume(start.resume_from, wait)
     set_seed(cfg.training.seed)  # the fresh MLM head (if any) is initialised identically on every rank
     transformers_model = load_model(cfg.model, checked.model_config)  # on every rank before anything is written
@@ -195,8 +198,8 @@ def build(cfg: Config, checked: Checked, hooks: Hooks) -> Training:
     checkpointer = ckpt.Checkpointer(cfg.run, accelerator, wait, scheduler, cfg.to_yaml(),
                                      start.saved_step, hooks.before_checkpoint_marker,
                                      heartbeat.beat)
-    stream_state = checkpointer.resume(start, checked.precision)
-    describe_start(cfg, checked.topo, checked.precision, accelerator,
+    stream_state = checkpointer.resume(start, started.precision)
+    describe_start(cfg, checked.topo, started.precision, accelerator,
                    f"{data.note}; {data.total_steps} optimizer steps", model, n_params)
     feed = train_feed(data, cfg.training.gradient_accumulation_steps, start.state, stream_state, accelerator,
                       heartbeat.collective)
@@ -218,8 +221,8 @@ def build(cfg: Config, checked: Checked, hooks: Hooks) -> Training:
     for name, part, per_rank in hooks.parts:
         checkpointer.register(name, part, per_rank)
     skips = SkippedSteps(cfg.run.on_nonfinite_loss, accelerator, spikes, checkpointer.latest)
-    return Training(cfg, checked, accelerator, wait, data, model, optimizer, scheduler, feed, stream_state, log,
-                    evaluator, checkpointer, heartbeat, hooks, spikes, skips, every)
+    return Training(cfg, checked, accelerator, started.precision, wait, data, model, optimizer, scheduler, feed,
+                    stream_state, log, evaluator, checkpointer, heartbeat, hooks, spikes, skips, every)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -338,7 +341,7 @@ def trainer_state(run: Training, step: int, at: mdata.FeedPosition) -> ckpt.Trai
     return ckpt.TrainerState(
         step=step, epoch=at.epoch, batch_in_epoch=at.batch_in_epoch, tokens_seen=run.log.tokens_total(),
         world_size=run.accelerator.num_processes, block_in_epoch=at.block_in_epoch,
-        layout_batch=None if sampler is None else sampler.layout_batch, precision=run.checked.precision[0],
+        layout_batch=None if sampler is None else sampler.layout_batch, precision=run.precision[0],
         sources=run.feed.counted())
 
 
@@ -406,7 +409,7 @@ def train(cfg: Config, hooks: Hooks | None = None) -> TrainResult:
     with ckpt.StopSignals(cfg.run.signal_names()) as stop, ExitStack() as on_exit:
         checked = preflight(cfg)
         stop.end_if_received()  # a SIGTERM during preflight: the launcher stops this start
-        run = build(cfg, checked, hooks or Hooks())
+        run = build(checked.cfg, checked, hooks or Hooks())
         for note in checked.notes:  # warned once the accelerator's logger is up: on the main process only
             logger.warning("%s", note)
         # runs last: after the heartbeat stopped using the process group's store

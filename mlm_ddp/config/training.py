@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 from dataclasses import dataclass
 from typing import Literal
@@ -181,6 +182,14 @@ class TrainingConfig:
                            f"--per_device_train_batch_size {self.per_device_train_batch_size} x {world} process(es) = "
                            f"{per_step}: give a multiple of it, or another --per_device_train_batch_size")
         return self.global_batch_size // per_step
+
+    def for_world(self, world: int) -> TrainingConfig:
+        """This section as a run on `world` processes trains it: a copy whose --gradient_accumulation_steps is
+        `accumulation_for(world)`. Copied, not built anew: a built section refuses an accumulation given beside
+        --global_batch_size, and this one is derived from it."""
+        resolved = copy.copy(self)
+        resolved.gradient_accumulation_steps = self.accumulation_for(world)
+        return resolved
 
     def check_schedule(self) -> None:
         """The warmup_stable_decay flags: given with it, and not without it."""

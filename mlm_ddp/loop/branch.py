@@ -10,6 +10,7 @@ checkpoint is rotated away: N is then read from its name), and recorded in confi
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -38,25 +39,27 @@ def source_step(path: Path) -> int:
                    f"{ckpt.STATE_FILE}); give one of a run's checkpoints, e.g. OUT/checkpoints/step-0001000")
 
 
-def resolve(cfg: Config) -> None:
-    """With --decay_from: set --num_decay_steps to its steps D (a fraction f of the branch's N + D steps:
-    D = f N / (1 - f)) and --max_train_steps to N + D, where the run ends, whatever it was. Before anything
-    is written, and before any process talks to another: no log line here (`describe` is logged later)."""
+def resolved(cfg: Config) -> Config:
+    """`cfg`, or with --decay_from a copy whose --num_decay_steps is its steps D (a fraction f of the branch's
+    N + D steps: D = f N / (1 - f)) and whose --max_train_steps is N + D, where the run ends, whatever it was.
+    Before anything is written, and before any process talks to another: no log line here (`describe` is
+    logged later)."""
     run, training = cfg.run, cfg.training
     if run.decay_from is None:
-        return
+        return cfg
     if training.lr_scheduler_type != WSD or not training.num_decay_steps:
         raise BadInput(f"--decay_from decays a warmup_stable_decay run: pass --lr_scheduler_type {WSD} and "
                        "--num_decay_steps above 0 (steps, or a fraction of the branch's steps)")
     # recorded absolute: config.yaml, the card and a requeued job (another working directory) name one folder
-    run.decay_from = os.path.abspath(run.decay_from)
-    step, fraction = source_step(Path(run.decay_from)), training.num_decay_steps
+    source = os.path.abspath(run.decay_from)
+    step, fraction = source_step(Path(source)), training.num_decay_steps
     decay = int(fraction) if fraction >= 1 else max(1, round(fraction * step / (1 - fraction)))
     if (warmup := warmup_steps(training, step + decay)) > step:  # a fraction: of the branch's steps
-        raise BadInput(f"--decay_from {run.decay_from}: the warm-up (--num_warmup_steps {training.num_warmup_steps}: "
+        raise BadInput(f"--decay_from {source}: the warm-up (--num_warmup_steps {training.num_warmup_steps}: "
                        f"{warmup} steps of the branch's {step + decay}) would not be over at its start, step {step}; "
                        "give --num_warmup_steps in steps, as the source's run warmed up")
-    training.num_decay_steps, training.max_train_steps = float(decay), step + decay
+    return dataclasses.replace(cfg, run=dataclasses.replace(run, decay_from=source), training=dataclasses.replace(
+        training, num_decay_steps=float(decay), max_train_steps=step + decay))
 
 
 def source_metrics(decay_from: str | None) -> Path | None:
