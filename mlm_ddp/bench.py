@@ -126,8 +126,8 @@ class BenchConfig:
             raise BadInput(f"--variants {' '.join(unknown)}: not a variant; choose from {', '.join(VARIANTS)}")
         for name in ("warmup", "workers"):
             checks.not_negative(f"--{name}", getattr(self, name))
-        if self.watchdog_cost and min(self.watchdog_cost) < 1:  # a rank count: 0 or fewer simulate nothing
-            raise BadInput(f"--watchdog_cost: each number of ranks must be at least 1, got {min(self.watchdog_cost)}")
+        for ranks in self.watchdog_cost or []:  # a rank count: 0 or fewer simulate nothing
+            checks.at_least("--watchdog_cost", ranks, 1, " rank")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -39,7 +39,7 @@ from mlm_ddp import compat
 from mlm_ddp.cluster import launcher as distributed
 from mlm_ddp.cluster.durable import fsync_dir, unwritable, write_atomic
 from mlm_ddp.compat import datasets as compat_datasets
-from mlm_ddp.config import DataConfig, ModelConfig, _doc, parse_exactly
+from mlm_ddp.config import DataConfig, ModelConfig, _doc, checks, parse_exactly
 from mlm_ddp.data import prepared as fmt
 from mlm_ddp.data.pack import TOKENIZE_BATCH
 from mlm_ddp.data.pool import Packer, WorkerDied, Workers
@@ -89,9 +89,7 @@ class PrepareConfig:
         if self.output_dir is None:
             raise BadInput("--output_dir is required: the folder to write the prepared corpus into")
         for name in ("num_workers", "tasks", "nodes"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise BadInput(f"--{name} must be at least 1, got {value}")
+            checks.at_least(f"--{name}", getattr(self, name), 1)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -33,7 +33,7 @@ from typing import Any, Literal
 from transformers import HfArgumentParser
 
 from mlm_ddp.cluster import launcher as distributed
-from mlm_ddp.config import _doc, parse_args
+from mlm_ddp.config import _doc, checks, parse_args
 from mlm_ddp.data import check_files, data_notes
 from mlm_ddp.errors import EXIT_BAD_INPUT, EXIT_REQUEUE, AlreadyFinished, BadInput, Preempted
 from mlm_ddp.train import check_inputs, setup_logging, train
@@ -143,23 +143,18 @@ class SubmitConfig:
     wait: bool = _doc("follow the job to its end and return its status", default=False)
 
     def __post_init__(self) -> None:
-        if self.nodes < 1:
-            raise BadInput(f"--nodes must be at least 1, got {self.nodes}")
-        if self.gpus_per_node < 0 or self.procs_per_node < 1:
-            raise BadInput("--gpus_per_node must be >= 0 and --procs_per_node >= 1")
+        checks.at_least("--nodes", self.nodes, 1)
+        checks.not_negative("--gpus_per_node", self.gpus_per_node)
+        checks.at_least("--procs_per_node", self.procs_per_node, 1)
         if self.cluster != "slurm" and (self.nodes > 1 or self.gpus_per_node > 1 or self.procs_per_node > 1):
             raise BadInput(f"--cluster {self.cluster} runs one process on this machine: use --nodes 1 and "
                            "one process, or --cluster slurm")
         # Slurm would take these and run a job that fails later, or with nonsense (a negative warning time)
-        if self.timeout_min < 1:
-            raise BadInput(f"--timeout_min must be at least 1 minute, got {self.timeout_min}")
-        if self.cpus_per_task is not None and self.cpus_per_task < 1:
-            raise BadInput(f"--cpus_per_task must be at least 1, got {self.cpus_per_task}")
-        if self.mem_gb is not None and self.mem_gb <= 0:
-            raise BadInput(f"--mem_gb must be positive, got {self.mem_gb:g}")
-        if not 0 <= self.signal_delay_s < 60 * self.timeout_min:
-            raise BadInput(f"--signal_delay_s must be >= 0 and less than --timeout_min ({60 * self.timeout_min} s), "
-                           f"got {self.signal_delay_s}")
+        checks.at_least("--timeout_min", self.timeout_min, 1, " minute")
+        checks.at_least("--cpus_per_task", self.cpus_per_task, 1)
+        checks.positive("--mem_gb", self.mem_gb)
+        checks.within("--signal_delay_s", self.signal_delay_s, 0, 60 * self.timeout_min,
+                      hint=f" (seconds, within --timeout_min's {60 * self.timeout_min} s)")
 
 
 def make_parser() -> HfArgumentParser:

@@ -195,12 +195,12 @@ CASES: list[tuple[str, str, Callable[..., list[str]], str, str]] = [
     ("submit_mem_negative", "submit", lambda m, c, o, f: ["--cluster", "local", "--mem_gb", "-4"], "--mem_gb",
      "must be positive"),
     ("submit_signal_negative", "submit", lambda m, c, o, f: ["--cluster", "local", "--signal_delay_s", "-5"],
-     "--signal_delay_s", "must be >= 0"),
+     "--signal_delay_s", r"must be in \[0, 86400\), got -5"),
     # bench and predict, done before
     ("bench_steps_0", "bench", lambda m, c, o, f: ["--model_name_or_path", str(m), "--steps", "0"], "--steps",
      "must be at least 1"),
     ("bench_watchdog_cost_0", "bench", lambda m, c, o, f: ["--watchdog_cost", "512", "0"], "--watchdog_cost",
-     "each number of ranks must be at least 1, got 0"),
+     "must be at least 1 rank, got 0"),
     ("predict_top_k_above_vocab", "predict", lambda m, c, o, f: [str(m), "a [MASK] b", "--top_k", "601"], "--top_k",
      "601 is above the model's vocabulary of 600 tokens; use --top_k 600 or less"),
 ]

@@ -66,7 +66,8 @@ def test_debug_cluster_runs_the_job_end_to_end(tiny_model: Path, corpus: dict, t
     ("timeout_0", "--timeout_min must be at least 1 minute, got 0"),
     ("cpus_0", "--cpus_per_task must be at least 1, got 0"),
     ("mem_negative", "--mem_gb must be positive, got -4"),
-    ("signal_negative", r"--signal_delay_s must be >= 0 and less than --timeout_min \(86400 s\), got -5"),
+    ("signal_negative", r"--signal_delay_s must be in \[0, 86400\), got -5 "
+                        r"\(seconds, within --timeout_min's 86400 s\)"),
     ("no_slurm_here", "--cluster slurm: sbatch and srun not found on PATH"),
     ("overwrite", "^mlm_ddp.submit: error: --overwrite_output_dir: every attempt of this job.*resumes --output_dir "
                   ".*choose another --output_dir, and submit without --overwrite_output_dir$"),

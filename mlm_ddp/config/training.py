@@ -162,8 +162,8 @@ class TrainingConfig:
                           hint="; the usual values are 0.9 and 0.999 (0.98 for ModernBERT's recipe)")
         checks.not_negative("--adam_epsilon", self.adam_epsilon, hint="; the usual value is 1e-8")
         checks.not_negative("--seed", self.seed)  # numpy's generators take no negative seed
-        if self.weight_decay < 0 or self.max_grad_norm < 0 or self.num_warmup_steps < 0:
-            raise BadInput("--weight_decay, --max_grad_norm and --num_warmup_steps must be >= 0")
+        for name in ("weight_decay", "max_grad_norm", "num_warmup_steps"):
+            checks.not_negative(f"--{name}", getattr(self, name))
         if self.num_warmup_steps >= 1 and self.num_warmup_steps != int(self.num_warmup_steps):
             raise BadInput(f"--num_warmup_steps must be whole steps or a fraction below 1, got {self.num_warmup_steps}")
         if self.optimizer == "stableadamw":
