@@ -212,7 +212,7 @@ def build(cfg: Config, checked: Checked, hooks: Hooks) -> Training:
     every = probing.EveryEval(cfg, accelerator, wait, checked.folder, model, checked.tokenizer, heartbeat.beat)
     evaluator = Evaluator(cfg.run.eval_steps, data.total_steps, accelerator, model, data.eval_loader, heartbeat.beat,
                           mlm_probability=cfg.data.eval_mlm_probability, then=every.at_eval)
-    spikes = LossSpikes(cfg.run.on_loss_spike, cfg.run.loss_spike_factor, cfg.run.loss_spike_window)
+    spikes = LossSpikes(cfg.run)
     # what a resume (read above) and a rollback put back besides the model, the optimizer and the counters; each
     # part gets its section as it registers
     checkpointer.register("log", log)

@@ -17,6 +17,7 @@ import torch
 from mlm_ddp.cluster import launcher as distributed
 from mlm_ddp.cluster import precision
 from mlm_ddp.cluster.precision import Hardware, choose_precision
+from mlm_ddp.config import RunConfig
 from mlm_ddp.errors import EXIT_NONFINITE, BadInput, NonFiniteLoss
 from mlm_ddp.loop.spikes import LossSpikes
 from mlm_ddp.loop.step import NONFINITE_IN_A_ROW, SkippedSteps, settle_step, train_step
@@ -173,7 +174,7 @@ IMPLS = ["fused", "foreach", "for-loop"]
 
 
 def skipped_steps(mode: str, accelerator) -> SkippedSteps:
-    return SkippedSteps(mode, accelerator, LossSpikes("off", 2.0, 100), lambda: None)
+    return SkippedSteps(mode, accelerator, LossSpikes(RunConfig()), lambda: None)
 
 
 def one_step(precision: str, impl: str, loss_factor: float, init_scale: float = 2.0**8):

@@ -16,6 +16,7 @@ from typing import Any
 
 from accelerate.logging import get_logger
 
+from mlm_ddp.config import RunConfig
 from mlm_ddp.loop import checkpoint as ckpt
 
 logger = get_logger(__name__)
@@ -63,9 +64,9 @@ def _slot(at: Any, words: str) -> str:
 class LossSpikes:
     """--on_loss_spike's guard and response; `counts` are the steps skipped and the rollbacks."""
 
-    def __init__(self, mode: str, factor: float, window: int) -> None:
-        self.mode, self.factor = mode, factor
-        self.guard = None if mode == "off" else LossSpikeGuard(factor, window)
+    def __init__(self, run: RunConfig) -> None:
+        self.mode, self.factor = run.on_loss_spike, run.loss_spike_factor
+        self.guard = None if self.mode == "off" else LossSpikeGuard(self.factor, run.loss_spike_window)
         self.counts = {"skipped": 0, "rolled_back": 0}
         self.spiked_windows: set[tuple] = set()  # positions of windows a rollback skips
 
