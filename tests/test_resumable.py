@@ -75,6 +75,11 @@ def test_a_damaged_section_file_is_refused_naming_it(tmp_path: Path) -> None:
     (tmp_path / SHARED_FILE).write_text("[1, 2]")
     with pytest.raises(BadInput, match="not a mapping of sections"):
         Parts(0).load(tmp_path, same_world=True)
+    (tmp_path / SHARED_FILE).write_text('{"log": {"count": 3}}')  # a section without the part's keys
+    parts = Parts(0)
+    parts.load(tmp_path, same_world=True)
+    with pytest.raises(BadInput, match=f"{SHARED_FILE}: section 'log' cannot be restored \\(KeyError: 'n'\\)"):
+        parts.register("log", Counter())
 
 
 def tallies_at(checkpoint: Path, world: int) -> tuple[dict, list[dict]]:

@@ -45,6 +45,7 @@ class Part:
 class Sections:
     """One checkpoint's sections, as this rank reads them: shared by name, this rank's own by name."""
 
+    folder: Path  # the checkpoint
     shared: dict[str, dict[str, Any]]
     mine: dict[str, dict[str, Any]]
     other_world: bool  # written by another number of processes: there are no sections of this rank's own
@@ -98,7 +99,7 @@ class Parts:
     def load(self, folder: Path, same_world: bool) -> None:
         """Restore every registered part from checkpoint `folder` (`same_world`: written by this number of
         processes, so that this rank's own sections are this rank's)."""
-        self.loaded = Sections(read_json(folder / SHARED_FILE),
+        self.loaded = Sections(folder, read_json(folder / SHARED_FILE),
                                read_json(folder / rank_file(self.rank)) if same_world else {}, not same_world)
         for name in self.registered:
             self._apply(name, self.loaded)
@@ -107,7 +108,12 @@ class Parts:
         part = self.registered[name]
         state = (sections.mine if part.per_rank else sections.shared).get(name)
         if state is not None:
-            part.obj.load_state_dict(state)
+            try:
+                part.obj.load_state_dict(state)
+            except (KeyError, TypeError, ValueError) as err:  # a section another part's code wrote, or edited
+                file = rank_file(self.rank) if part.per_rank else SHARED_FILE
+                raise BadInput(f"{sections.folder / file}: section {name!r} cannot be restored ({type(err).__name__}: "
+                               f"{err}); the checkpoint is damaged or not written by mlm_ddp") from err
         elif part.per_rank and sections.other_world:
             logger.warning("%s starts afresh: its state is each process's own, and the checkpoint was written by "
                            "another number of processes", name)
