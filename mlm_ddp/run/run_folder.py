@@ -10,6 +10,7 @@ validate, rotate, restore) are `checkpoint.py`'s; metrics and logs `run_log.py`'
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -144,11 +145,13 @@ def config_changes(saved: dict, current: dict) -> dict[str, tuple[object, object
 
 
 def check_resume(path: Path, current: dict, world_size: int, sharded: bool = False,
-                 accepted: frozenset[str] = frozenset()) -> tuple[ckpt.TrainerState, dict]:
+                 accepted: frozenset[str] = frozenset(),
+                 check_saved: Callable[[dict], None] | None = None) -> tuple[ckpt.TrainerState, dict]:
     """The state to continue from, after checking that this run may continue it; also returns the
     accepted config changes (to be logged). Refusals name what differs. Another number of processes
     is accepted when the global batch is kept (`check_global_batch`); `accepted`: more settings that
-    may change (a decay branch's: branch.BRANCH_CHANGES)."""
+    may change (a decay branch's: branch.BRANCH_CHANGES); `check_saved`: a last check of the config the
+    checkpoint was written with (a decay branch's source: branch.check_source)."""
     state, saved = ckpt.check_files(path, world_size, sharded)
     old_batch, old_accumulation = _batch_split(saved)
     check_global_batch(path, (old_batch, state.world_size, old_accumulation), (*_batch_split(current), world_size))
@@ -167,6 +170,8 @@ def check_resume(path: Path, current: dict, world_size: int, sharded: bool = Fal
         state.layout_batch = old_batch * state.world_size
     if state.block_in_epoch is None:
         state.block_in_epoch = state.batch_in_epoch * state.layout_batch
+    if check_saved is not None:
+        check_saved(saved)
     return state, changes
 
 
@@ -292,9 +297,10 @@ class RunFolder:
             return Start(fresh, world_size, None, clear_earlier, written_by=world_size)
         data, branching = self.cfg.data, self.cfg.run.decay_from is not None and not own
         accepted = (branch.BRANCH_CHANGES if branching else frozenset()) | mdata.source_changes(data)
-        state, changes = check_resume(path, self.cfg.to_dict(), world_size, sharded=sharded, accepted=accepted)
-        if branching:  # a decay branch starts from another run's checkpoint of the stable phase
-            branch.check_source(path, ckpt.check_files(path, world_size, sharded)[1])
+        # a decay branch starts from another run's checkpoint of the stable phase
+        source = functools.partial(branch.check_source, path) if branching else None
+        state, changes = check_resume(path, self.cfg.to_dict(), world_size, sharded=sharded, accepted=accepted,
+                                      check_saved=source)
         if data.streaming:
             mdata.check_stream_resume(datasets.__version__)
         metrics = self.path / "metrics.jsonl"
