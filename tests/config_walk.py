@@ -1,4 +1,4 @@
-"""The run's config followed from `train.train(cfg)` through the source (issue 48's measure of the layout).
+"""The run's config followed from `train.train(cfg)` through the source (a measure of the package's layout).
 
 Read statically, as a newcomer reads it: starting in `train()` with `cfg`, every call that is handed the
 config (the whole tree, a section such as `cfg.training`, a name bound to one, or an attribute of `self`

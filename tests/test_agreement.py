@@ -1,4 +1,4 @@
-"""Decisions that lead to a collective are taken once and agreed across ranks (issue 30): the newest
+"""Decisions that lead to a collective are taken once and agreed across ranks: the newest
 checkpoint a rollback reloads and the checkpoint a run resumes from (a filesystem that caches listings
 can show ranks different folders), the Hub check (rank 0 alone asks), and the gloo side group's network
 interface on NCCL jobs."""

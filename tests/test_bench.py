@@ -77,7 +77,7 @@ def test_bench_runs_both_recipes_and_prints_one_json_line(tiny_model: Path, caps
     # steps at 3e-3 lower the held-out log-perplexity by 0.31-0.36 from ~605 (at 1e-4, 2 steps, the old test's
     # setting: by 0.0007, below the noise), and (a) and (b) end 0.012-0.040 apart. The gap's bound, 0.1, is 2.5x
     # the largest gap seen and a third of the smallest drop: a (b) that never steps ends a whole drop (~0.31) from
-    # (a), and fails both checks (issue 57).
+    # (a), and fails both checks.
     start = result["perplexity_start"]
     drops = {key: math.log(start / result[key]["perplexity"]) for key in ("hf", "mlm_ddp")}
     gap = math.log(result["perplexity_ratio"])
@@ -160,9 +160,9 @@ def test_the_timed_steps_wait_for_the_device_where_the_programs_they_stand_for_d
     """Counted on the CPU as tests/test_syncs.py counts `mlm_ddp.train` (scalar reads, data-dependent shapes,
     boolean indexing, `.tolist()`), each placed at the innermost frame that made it: nothing in the bench's
     own code, so (a) waits only where transformers and torch do in the script, and (b) once per step, at the
-    read of the step's all-reduce (loop/step.py), train's budget. Before issue 46: one more per step in each, the
-    `int(...)` of the masked tokens in bench.py, which kept the host from preparing the next batch while
-    the device computed."""
+    read of the step's all-reduce (loop/step.py), train's budget. An `int(...)` of the masked tokens in
+    bench.py would be one more per step in each, and would keep the host from preparing the next batch
+    while the device computes."""
     import copy
     import functools
     import traceback

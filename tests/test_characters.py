@@ -1,4 +1,4 @@
-"""Bits per character (issue 58): every evaluation divides the masked tokens' loss by the characters those
+"""Bits per character: every evaluation divides the masked tokens' loss by the characters those
 tokens cover, a figure that compares runs of different tokenizers. The characters come from a per-id table
 (data.surface); the table counts a text's characters under every tokenizer family, the collator counts a
 batch's by it, and adding the count changes no other figure."""

@@ -1,4 +1,4 @@
-"""An evaluation per held-out source (issue 47): `--validation_file valid.txt other.txt` evaluates each file
+"""An evaluation per held-out source: `--validation_file valid.txt other.txt` evaluates each file
 apart and as their mix, at every evaluation, on 1 process, 2 (gloo DDP) and FSDP alike; one file keeps
 the records it always had; bad input is one line and exit 2 before anything is written."""
 
@@ -114,7 +114,7 @@ def test_every_evaluation_reports_each_source_and_the_mix_is_their_token_weighte
         assert record["eval_accuracy"] == pytest.approx(mix_accuracy, rel=FLOAT64_SUMS, abs=FLOAT64_SUMS)
         assert all(s["perplexity"] == pytest.approx(math.exp(s["loss"]), rel=FLOAT64_SUMS) for s in sources.values())
         assert min(s["loss"] for s in sources.values()) < record["eval_loss"] < max(s["loss"] for s in sources.values())
-        # bits per character (issue 58): the sources' characters add up, their bits too
+        # bits per character: the sources' characters add up, their bits too
         characters = sum(s["characters"] for s in sources.values())
         mix_bits = sum(s["bits_per_char"] * s["characters"] for s in sources.values()) / characters
         assert record["eval_characters"] == characters > masked

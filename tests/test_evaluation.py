@@ -1,7 +1,7 @@
-"""Evaluation's memory stays bounded by a few batches under DDP and FSDP (issue 36, finding 6): under FSDP
-every rank must run the same number of forwards (each gathers parameters from every rank), which the
-evaluation once ensured by reading the whole per-rank eval set into (pinned) host memory first
-(`list(loader)`: a stream has no length to compare). It now reads `EVAL_LOOKAHEAD` batches at a time and
+"""Evaluation's memory stays bounded by a few batches under DDP and FSDP: under FSDP every rank must run
+the same number of forwards (each gathers parameters from every rank). Reading the whole per-rank eval set
+into (pinned) host memory first (`list(loader)`: a stream has no length to compare) would ensure it at the
+cost of memory that grows with the set; the evaluation reads `EVAL_LOOKAHEAD` batches at a time and
 agrees on each round's forwards (`evaluation.lockstep`)."""
 
 from __future__ import annotations

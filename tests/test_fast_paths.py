@@ -1,4 +1,4 @@
-"""The fast paths of issue 22 compute the same objective: the last layer on the masked positions gives
+"""The fast paths (model/fast_paths.py) compute the same objective: the last layer on the masked positions gives
 the full layer's loss and gradients, and 16-bit dropout draws keep each element with dropout's
 probability, independently, and replay after a restored generator state."""
 

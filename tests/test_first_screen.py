@@ -1,7 +1,7 @@
-"""A newcomer's first screen (issue 46, finding 6): the command README tells a new user to run first shows
-only what the user can act on. Before: accelerate's "values were not passed to `accelerate launch`" notice
-(four launcher defaults), and transformers' "`torch_dtype` is deprecated", raised by mlm_ddp's own read of
-the checkpoint's dtype (model.checkpoint_dtype)."""
+"""A newcomer's first screen: the command README tells a new user to run first shows only what the user
+can act on. Neither accelerate's "values were not passed to `accelerate launch`" notice (four launcher
+defaults) nor transformers' "`torch_dtype` is deprecated", which mlm_ddp's own read of the checkpoint's
+dtype (model.checkpoint_dtype) would raise under the old name."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ EXPECTED_WARNING = "has no trained MLM head"
 
 
 def test_the_checkpoints_dtype_is_read_under_its_current_name(monkeypatch: pytest.MonkeyPatch) -> None:
-    """all-MiniLM-L6-v2's config names no dtype: the old code then read `torch_dtype`, which warns."""
+    """all-MiniLM-L6-v2's config names no dtype: a fallback read of `torch_dtype` would warn, so none is made."""
     reads: list[str] = []
     monkeypatch.setattr(PretrainedConfig, "torch_dtype", property(lambda self: reads.append("read") or None))
     assert checkpoint_dtype(BertConfig()) is None

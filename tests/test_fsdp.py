@@ -2,7 +2,7 @@
 run DDP there). The same curve as DDP for BERT and RoBERTa, with a trained MLM head and with one
 initialised fresh (a checkpoint without a head, as all-MiniLM-L6-v2); sharded checkpoints that resume
 exactly after a stop signal, refusals of what cannot be resumed, a kill -9 during a sharded save, a
-final/ that is the whole tied model (issue 18); bf16 on DDP and FSDP against fp32 (issue 29). The
+final/ that is the whole tied model; bf16 on DDP and FSDP against fp32. The
 uninterrupted runs share two launches, one per config (the `runs` fixture); a run stopped, killed or slowed
 on purpose has a launch of its own."""
 
@@ -154,7 +154,9 @@ def bert_fsdp(runs: dict) -> tuple[Path, str]:
 
 @pytest.fixture(scope="module")
 def fresh_fsdp(runs: dict) -> tuple[Path, str]:
-    """The same, from a checkpoint without an MLM head (it was the run that could not save, issue 29)."""
+    """The same, from a checkpoint without an MLM head: ranks > 0 load the fresh head on the meta device, where
+    the optimizer's state dict would fail at the first save unless mlm_ddp gives those weights real tensors
+    (docs/topologies.md)."""
     return finished(runs, "bert-fresh")
 
 
@@ -345,10 +347,10 @@ def test_a_slow_shard_write_and_a_slow_final_gather_wait_for_save_timeout_not_dd
         save_timeout: int, finishes: bool, tiny_fresh_head: Path, corpus: dict, tmp_path: Path) -> None:
     """Rank 1 writes its shards 8 s late; rank 0 waits in the sharded save's collectives on the training
     group, whose --ddp_timeout is 3 s. With --save_timeout 60 the save waits (without mlm_ddp's
-    patient_collectives it failed after 3 s, tried by hand); --save_timeout 3 still bounds it. The run that
-    finishes also has rank 1 gather final/'s state dict 8 s late: issue 44, finding 5, final/'s FSDP gather ran
-    on the training group at --ddp_timeout, and this run would then fail 3 s into its final phase (it was a run
-    of its own, a launch more)."""
+    patient_collectives it fails after 3 s, tried by hand); --save_timeout 3 still bounds it. The run that
+    finishes also has rank 1 gather final/'s state dict 8 s late: final/'s FSDP gather runs on the training
+    group and waits --save_timeout as a save does (at --ddp_timeout this run would fail 3 s into its final
+    phase); one run checks both, a launch fewer than a run of its own."""
     out = tmp_path / "run"
     final = ["--slow_state_dict", "1:8"] if finishes else []
     proc = run_module(launch("fsdp.yaml", tiny_fresh_head, corpus, out, "--max_train_steps", "2",

@@ -1,4 +1,4 @@
-"""The GPU measurement of issue 56 (tests/gpu/pace.py) runs end to end on the CPU at tiny sizes, so that a
+"""The GPU measurement (tests/gpu/pace.py) runs end to end on the CPU at tiny sizes, so that a
 GPU slot spends its minutes measuring, not finding a broken script."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The package's layout (issue 48): every import of mlm_ddp read from the source (lazy ones inside
+"""The package's layout: every import of mlm_ddp read from the source (lazy ones inside
 functions too), and the arrows between its folders run one way.
 
 Floors, lowest first: `errors` < compat/ (the seam to other libraries' internals) < cluster/ < config/ <
@@ -8,7 +8,7 @@ own folder, a lower floor, and `errors`; never a higher floor, never an entry po
 may import those). Imports under `if TYPE_CHECKING:` never run, but they count: a cycle closed by one is
 still two modules that cannot be read apart, and it becomes an import-time cycle the day someone needs the
 name at run time (a dataclass field, `typing.get_type_hints`, HfArgumentParser reading annotations). The
-shared type moves to a module both import (as `ProbeConfig` moved to probe/config.py, issue 55).
+shared type moves to a module both import (as `ProbeConfig` lives in probe/config.py).
 """
 
 from __future__ import annotations
@@ -183,8 +183,8 @@ def test_the_check_fails_on_a_bad_import() -> None:
                      "mlm_ddp.probe.features imports the entry point mlm_ddp.predict",
                      "module cycle: ", "mlm_ddp.cluster.durable <-> ", "folder cycle: "]:
         assert expected in found, (expected, found)
-    # a type-only import keeps the floors, and closes a cycle too (issue 55: probe/compare.py and
-    # probe/standalone.py once imported each other, one side under TYPE_CHECKING)
+    # a type-only import keeps the floors, and closes a cycle too (two modules that import each other, one
+    # side under TYPE_CHECKING, are a cycle)
     typing_only = {m: dict(t) for m, t in graph.items()}
     typing_only["mlm_ddp.cluster.durable"]["mlm_ddp.cluster.watchdog"] = False
     cycle = [line for line in violations(typing_only) if line.startswith("module cycle: ")]

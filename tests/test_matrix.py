@@ -157,7 +157,7 @@ def build_cases(tiny_model: Path, root: Path) -> list[Case]:
                              "--checkpointing_steps", "epoch")
             cases.append(Case(out.name, procs, argv, out, exit=2))
 
-    # mixtures (issue 47): two files above, each read several times over, dropout off; 2 processes x batch 2
+    # mixtures: two files above, each read several times over, dropout off; 2 processes x batch 2
     # train the steps of 1 process x batch 4 (one global batch, so the same blocks from the same sources);
     # streamed mixtures finish and resume exactly (their blocks depend on the ranks' parts, as one stream's)
     no_dropout = ["--config_overrides", "hidden_dropout_prob=0,attention_probs_dropout_prob=0"]
@@ -270,7 +270,7 @@ def test_a_streamed_mixture_resumed_on_another_number_of_processes_keeps_its_cou
     """The 2-process streamed mixture's checkpoint at step 2, resumed on 1 process (4 blocks per device: the global
     batch kept) to its last step, 5: each source's blocks and tokens are the checkpoint's (all ranks) plus what this
     run's batches held, told by their tokens (every text is one block), and add up to tokens_seen; each part
-    starts a pass no part had begun (issue 55: the counts restarted from zero)."""
+    starts a pass no part had begun (counts restarted from zero would not)."""
     from transformers import AutoTokenizer
 
     from mlm_ddp.data.masking import EPOCH_KEY, TRAIN_SPLIT

@@ -1,4 +1,4 @@
-"""Several training sources mixed by their weights (issue 47): `--train_file a b --train_weights 0.7 0.3`.
+"""Several training sources mixed by their weights: `--train_file a b --train_weights 0.7 0.3`.
 
 The schedule and the mixed blocks on their own (pure), then runs: the realized token shares over 100 steps,
 the summary and the closing line, the same per-step losses on 1 process and FSDP and after a resume mid-run
@@ -148,7 +148,7 @@ def test_the_counts_after_a_change_of_weights_and_processes_are_what_the_batches
     weights on 1-2 ranks, a checkpoint (the counts of all ranks), then more steps at other weights on 1-4 ranks
     (--allow_source_changes; every other case drops the third source). Each source's blocks, tokens and passes are
     those the batches held and add up to them all, the dropped source kept at weight 0; the new weights' schedule
-    from slot 0 (issue 55) would say otherwise."""
+    from slot 0 would say otherwise."""
     rng = np.random.default_rng(seed)
     sizes = rng.integers(5, 40, size=3)
     sources = []
@@ -232,7 +232,7 @@ def test_realized_token_shares_match_the_weights_over_100_steps(tiny_model: Path
                                                                 tmp_path: Path, caplog: pytest.LogCaptureFixture,
                                                                 by_source: BySource) -> None:
     """800 blocks: the larger source makes about 0.4 passes, the smaller (40 paragraphs) more than one, reshuffled.
-    The shares are those the batches held, each block's source told by its tokens (issue 57: not the schedule's
+    The shares are those the batches held, each block's source told by its tokens (not the schedule's
     arithmetic, which a block served from the wrong source would not move)."""
     with caplog.at_level("INFO"), recorded_batches() as made:
         assert main(mix_args(tiny_model, corpus, tmp_path / "run", other, "--max_train_steps", "100",
@@ -370,7 +370,7 @@ def test_prepared_and_dataset_folder_sources_mix_with_a_file(tiny_model: Path, c
 def test_the_one_source_that_holds_text_out_is_evaluated_by_its_name(tiny_model: Path, corpus: dict, prepared: Path,
                                                                      tmp_path: Path,
                                                                      caplog: pytest.LogCaptureFixture) -> None:
-    """Of two sources only train.txt holds a share out: its evaluation is train's, not the mixture's (issue 55)."""
+    """Of two sources only train.txt holds a share out: its evaluation is train's, not the mixture's."""
     out = tmp_path / "out"
     with caplog.at_level("INFO"):
         assert main(held_out_share_args(tiny_model, corpus, out, "--max_train_steps", "1", "--train_file",

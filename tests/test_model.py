@@ -1,6 +1,6 @@
-"""The masked-only MLM head computes the loss and gradients of the full head (issue 9); a checkpoint
-saved in bf16 or fp16 trains fp32 master weights (issue 36); a padded batch's 4-D mask gives the 2-D
-mask's loss and gradients exactly, and each family gets the mask it takes without a read back (issue 46)."""
+"""The masked-only MLM head computes the loss and gradients of the full head; a checkpoint saved in bf16
+or fp16 trains fp32 master weights; a padded batch's 4-D mask gives the 2-D mask's loss and gradients
+exactly, and each family gets the mask it takes without a read back."""
 
 from __future__ import annotations
 
@@ -248,7 +248,7 @@ def test_a_fresh_head_trains_faster_but_never_the_tied_embeddings(kind: str, fre
     assert len(optimizer.param_groups) == (4 if expected_head_lr else 2)
 
 
-# --- fp32 master weights from any checkpoint (issue 36) --------------------------------------------------
+# --- fp32 master weights from any checkpoint ----------------------------------------------------------
 
 
 def saved_in(tiny_model: Path, dtype: torch.dtype, stored: torch.dtype, root: Path) -> Path:
@@ -283,8 +283,8 @@ def trained_from(tiny_model: Path, corpus: dict, tmp_path_factory: pytest.TempPa
 def test_a_half_precision_checkpoint_trains_as_the_same_weights_in_fp32(half: torch.dtype, trained_from: dict) -> None:
     """The same values loaded from a half-precision file and from an fp32 one are the same fp32 parameters:
     the same steps on the same data then give the same losses (SAME_STEPS: what may differ is the order of
-    sums, and here nothing does). Trained as half-precision parameters (before issue 36) the curves left
-fp32's by 1.1e-4 relative (bf16) and 7 (fp16: the loss blew up at step 4)."""
+    sums, and here nothing does). Trained as half-precision parameters instead, the curves leave fp32's by
+1.1e-4 relative (bf16) and 7 (fp16: the loss blows up at step 4)."""
     from safetensors import safe_open
 
     half_run, fp32_run = trained_from[half, half], trained_from[half, torch.float32]

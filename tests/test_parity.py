@@ -24,7 +24,7 @@ from tests.test_topology import launch_with, max_rel_diff
 SCRIPT_FLAGS = {
     "--dataset_name": ("wikitext", "data.dataset_name", "wikitext"),
     "--dataset_config_name": ("wikitext-2-raw-v1", "data.dataset_config_name", "wikitext-2-raw-v1"),
-    "--train_file": ("train.txt", "data.train_file", ["train.txt"]),  # a list: several sources are mixed (issue 47)
+    "--train_file": ("train.txt", "data.train_file", ["train.txt"]),  # a list: several sources are mixed
     "--validation_file": ("valid.txt", "data.validation_file", ["valid.txt"]),  # several allowed: a list
     "--validation_split_percentage": ("10", "data.validation_split_percentage", 10.0),
     "--pad_to_max_length": (None, "data.pad_to_max_length", True),

@@ -1,5 +1,5 @@
-"""Mixed precision (issue 29): what `auto` picks on which device and why, the launcher's precision
-honoured or refused, and FSDP2's policy. Skipped updates (issue 36), for every precision and AdamW
+"""Mixed precision: what `auto` picks on which device and why, the launcher's precision
+honoured or refused, and FSDP2's policy. Skipped updates, for every precision and AdamW
 implementation: fp16 overflows counted, non-finite losses stopped at or counted, a run that no longer
 trains never ending as done.
 The real bf16 runs on two CPU processes (DDP and FSDP) are in test_fsdp.py, beside the fp32 runs they
@@ -162,13 +162,14 @@ def test_the_mfu_peak_multiplies_operands_already_in_the_training_dtype(monkeypa
     assert seen and set(seen) == {(torch.bfloat16, torch.bfloat16)}
 
 
-# --- skipped updates, decided from the step's own numbers (issue 36) --------------------------------------
+# --- skipped updates, decided from the step's own numbers ------------------------------------------------
 # fp16 needs CUDA, which this suite does not have. step.train_step runs here with torch's real
 # torch.amp.GradScaler and a real fp16 autocast on the CPU: the Accelerator is given what accelerate gives it
 # on a CUDA device (its scaler and native_amp: the only thing faked), so accelerate unscales the gradients
 # for clipping and steps through the scaler as on a GPU. With a fused AdamW, GradScaler.step calls
 # optimizer.step whatever the gradients hold and the kernel skips on the device (found_inf), so accelerate's
-# step_was_skipped stays False: before issue 36 such a step counted as taken (fp16 NaNs never stopped a run).
+# step_was_skipped stays False: judged by that flag, such a step would count as taken (fp16 NaNs would never
+# stop a run).
 
 IMPLS = ["fused", "foreach", "for-loop"]
 

@@ -1,4 +1,4 @@
-"""Fill-mask predictions from a run's final/ folder and from its checkpoints (issue 10)."""
+"""Fill-mask predictions from a run's final/ folder and from its checkpoints."""
 
 from __future__ import annotations
 

@@ -460,7 +460,7 @@ def test_a_bad_input_file_stops_prepare_with_one_line_and_no_part(kind: str, wor
                                                                   tmp_path: Path,
                                                                   capsys: pytest.CaptureFixture) -> None:
     """Found before any work or while reading: the prepare this command began leaves nothing, no plan.json (which a
-    fixed rerun would have to match) and no .tmp part (issue 57; a file found bad while reading once left both)."""
+    fixed rerun would have to match) and no .tmp part (a file found bad mid-read is the case that could leave both)."""
     out = tmp_path / "out"
     assert prep.main(prepare_args(tiny_model, bad_file(kind, tmp_path), out)) == 2
     lines = error_lines(capsys.readouterr().err, "mlm_ddp.prepare")

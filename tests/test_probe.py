@@ -1,4 +1,4 @@
-"""The downstream probe (issue 38): `python -m mlm_ddp.probe` and `probe()` for training to call.
+"""The downstream probe: `python -m mlm_ddp.probe` and `probe()` for training to call.
 
 The task: texts of 8 words drawn from one of two disjoint sets of 20 words of the tiny vocabulary; the
 label says which set. Even the tiny model's random weights keep which words a text holds, so a linear
@@ -100,14 +100,14 @@ def test_separable_task_far_above_majority_and_every_model_on_the_same_subsample
     assert list(results) == [str(tiny_model), str(tiny_fresh_head)]
     first, second = results.values()
     assert FIELDS <= set(first)
-    # every labeled text by default (issue 45, finding 3): one fit, as every seed would fit the same rows
+    # every labeled text by default: one fit, as every seed would fit the same rows
     assert first["mode"] == "linear" and first["seeds"] == 1 and first["n_test"] == N_TEST
     assert first["n_train"] == first["n_train_available"] == 200 and first["protocol"] == "default"
     assert first["majority_accuracy"] == 0.5
     assert first["accuracy"] >= 0.9 and first["macro_f1"] >= 0.9, first  # chance + 16 sd
     assert first["per_seed"] == second["per_seed"] and first["accuracy"] == second["accuracy"]
     assert "200 (of 200)/400" in out
-    # the same features: the change is exactly 0, and so is its interval (issue 45, finding 4)
+    # the same features: the change is exactly 0, and so is its interval
     assert f"{tiny_fresh_head} - {tiny_model}: accuracy +0.0000 (95% CI +0.0000..+0.0000)" in out
     assert second["change"]["accuracy"] == 0 and second["change"]["accuracy_ci95"] == [0, 0]
     assert out.count("no measurable change") == 1 and "change" not in first
@@ -300,7 +300,7 @@ def test_a_dataset_folder_with_its_splits(tiny_model: Path, tmp_path: Path, caps
 
 
 def test_every_labeled_text_by_default_and_a_cap_is_a_flag(tiny_model: Path, task: dict) -> None:
-    """Issue 45, finding 3: the default trains on all 200 labeled texts; --max_train_per_label caps it, and the
+    """The default trains on all 200 labeled texts; --max_train_per_label caps it, and the
     figures say how many of how many were used."""
     every = probe(str(tiny_model), None, ProbeConfig(train_file=str(task["train"]), test_file=str(task["test"]),
                                                      max_seq_length=32), CPU)
@@ -312,7 +312,7 @@ def test_every_labeled_text_by_default_and_a_cap_is_a_flag(tiny_model: Path, tas
 
 
 def test_protocol_mteb_is_mteb_exactly(tiny_model: Path, task: dict) -> None:
-    """Issue 45, finding 5: 8 per label, 10 experiments, a plain LogisticRegression(max_iter=100) on the raw
+    """8 per label, 10 experiments, a plain LogisticRegression(max_iter=100) on the raw
     features (no scaler): the figures equal scikit-learn's on the same features and subsamples."""
     from sklearn.linear_model import LogisticRegression
     from sklearn.metrics import accuracy_score
@@ -374,8 +374,8 @@ def figures(predictions: list[np.ndarray], labels: np.ndarray, **settings_: obje
 
 
 def test_the_change_is_paired_with_an_interval() -> None:
-    """Issue 45, finding 4: after - before, text by text and seed by seed, with a 95% interval that holds 0 where the
-    two differ on a handful of texts, and not where one fixes 40 of 400; issue 55: with one seed it is Student's t
+    """After - before, text by text and seed by seed, with a 95% interval that holds 0 where the two differ on a
+    handful of texts, and not where one fixes 40 of 400; with one seed it is Student's t
     on the texts' differences (0.1 +- t(0.975, 399) sqrt(0.1 x 0.9 x 400 / 399 / 400)), and seeds that disagree
     widen it."""
     labels = np.arange(400) % 2
@@ -404,7 +404,7 @@ def test_the_change_is_paired_with_an_interval() -> None:
 
 def test_finetune_gives_both_models_the_same_head(tiny_model: Path, tiny_fresh_head: Path, task: dict,
                                                   tmp_path: Path) -> None:
-    """Issue 45, finding 2: a source with a trained pooler and a final/ without one (a masked LM's), with the same
+    """A source with a trained pooler and a final/ without one (a masked LM's), with the same
     encoder, fine-tune alike: the head (pooler and classifier) is drawn from the seed for both."""
     from transformers import AutoTokenizer, BertModel
 

@@ -1,4 +1,4 @@
-"""The probe's paired change and its interval (issue 55): an interval printed as 95% covers the true change 93-97%
+"""The probe's paired change and its interval: an interval printed as 95% covers the true change 93-97%
 of the time, measured on simulated probes for each mode's default seeds, when the seeds' spread dominates and
 when there is no seed effect at all.
 

@@ -1,4 +1,4 @@
-"""How the probe reads its labels (issues 45 and 55): strings as written, numbers by their value (a float column of
+"""How the probe reads its labels: strings as written, numbers by their value (a float column of
 whole numbers, as one missing value leaves pandas' integers, reads as the integers; JSON's 1.0 and 1 are one
 class), rows without a label or a text left out and named, a few-shot file read as a task and a column that
 gives every row its own value refused. Real csv, json, jsonl and parquet files written in tmp_path; no model
@@ -18,7 +18,7 @@ from tests.test_probe import write
 
 
 def test_labels_are_read_as_written_and_unusable_rows_are_named(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    """Issue 45, finding 6: no NA parsing ("NA", "None", "null", "N/A" are labels), "01" is not "1"; a row without
+    """No NA parsing ("NA", "None", "null", "N/A" are labels), "01" is not "1"; a row without
     a label (empty, null, NaN) or without text is left out, named by its row and counted in a warning."""
     written = ["01", "1", "NA", "None", "null", "N/A"]
     train = [{"text": f"text {i}", "label": written[i % 6]} for i in range(18)]
@@ -42,7 +42,7 @@ def test_labels_are_read_as_written_and_unusable_rows_are_named(tmp_path: Path, 
 
 
 def test_a_float_column_of_whole_numbers_reads_as_the_integers(tmp_path: Path) -> None:
-    """Issue 55: one missing value makes pandas' integer column float; parquet then holds 0.0, 1.0, NaN and
+    """One missing value makes pandas' integer column float; parquet then holds 0.0, 1.0, NaN and
     pandas' csv "0.0", "1.0", "". Both read as the classes '0' and '1' of a test file written with integers, and
     the row without a label is left out, named and counted."""
     import pandas as pd
@@ -74,7 +74,7 @@ def test_a_float_column_of_whole_numbers_reads_as_the_integers(tmp_path: Path) -
 
 
 def test_json_numbers_are_their_values(tmp_path: Path) -> None:
-    """Issue 55: JSON's 1.0 and 1 are one number, so one class; 1.5 is its own; the string "1.0" is written as a
+    """JSON's 1.0 and 1 are one number, so one class; 1.5 is its own; the string "1.0" is written as a
     string, and stays one."""
     jsonl = tmp_path / "train.jsonl"
     jsonl.write_text("".join(json.dumps({"text": f"text {i}", "label": label}) + "\n"
@@ -85,7 +85,7 @@ def test_json_numbers_are_their_values(tmp_path: Path) -> None:
 
 
 def test_a_few_shot_file_is_classes_and_a_column_of_identifiers_is_not(tmp_path: Path) -> None:
-    """Issue 55: a few-shot training file (30 labels over 45 rows: more labels than half its rows) is a task, as
+    """A few-shot training file (30 labels over 45 rows: more labels than half its rows) is a task, as
     its test file repeats the labels. A column that gives every row of both files its own value (an id, a text)
     is refused, even where the test file's values are all in the training file's (ids counted from 0 in each)."""
     few = write(tmp_path / "few.jsonl", [{"text": f"text {i}", "label": f"topic {i % 30}", "id": i}

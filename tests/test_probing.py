@@ -1,4 +1,4 @@
-"""The downstream probe inside a training run (issue 38): --probe_train_file / --probe_test_file score the
+"""The downstream probe inside a training run: --probe_train_file / --probe_test_file score the
 starting model before training and final/ after it; `before` is the standalone probe's figure of the
 starting model (same seeds, same subsamples); summary.json, metrics.jsonl, the closing line, the model
 card and the report carry both; bad probe files stop the run before anything is written; two processes
@@ -58,7 +58,7 @@ def test_before_is_the_standalone_probe_of_the_starting_model(probed_run: Path, 
                                                           test_file=str(probe_files["test"]), seeds=3))
     assert summary["after"]["accuracy"] == after["accuracy"] and summary["after"]["macro_f1"] == after["macro_f1"]
     assert summary["before"]["accuracy"] > summary["before"]["majority_accuracy"]  # the task is learnable
-    # issue 45, finding 4: the paired change with its interval, and the per-seed figures it pairs
+    # the paired change with its interval, and the per-seed figures it pairs
     delta = summary["change"]
     assert delta["accuracy"] == summary["after"]["accuracy"] - summary["before"]["accuracy"]
     assert delta["accuracy_ci95"][0] <= delta["accuracy"] <= delta["accuracy_ci95"][1]
@@ -73,7 +73,7 @@ def test_metrics_card_and_report_carry_both(probed_run: Path) -> None:
     lines = [r for r in read_metrics(probed_run) if "probe" in r]
     assert [(r["probe"], r["step"]) for r in lines] == [("before", 0), ("eval", STEPS // 2), ("eval", STEPS),
                                                          ("after", STEPS)]
-    # an evaluation's probe is scored on held-out training texts, never on the test set (issue 45, finding 7)
+    # an evaluation's probe is scored on held-out training texts, never on the test set
     assert all("probe_accuracy" not in r and 0 <= r["probe_heldout_accuracy"] <= 1 for r in lines[1:3])
     assert all(0 <= r["probe_accuracy"] <= 1 and 0 <= r["probe_macro_f1"] <= 1 for r in (lines[0], lines[3]))
     card = (probed_run / "final" / "README.md").read_text()
@@ -126,7 +126,7 @@ def test_two_processes_finish_with_the_probe(tiny_model: Path, corpus: dict, pro
 
 
 def test_every_eval_keeps_the_best_probe(probed_run: Path, probe_files: dict) -> None:
-    """Issue 45, finding 7: best_probe/ is chosen on a seeded held-out split of the probe's training texts, and
+    """best_probe/ is chosen on a seeded held-out split of the probe's training texts, and
     scored on the test set once, reported apart."""
     evals = [r for r in read_metrics(probed_run) if r.get("probe") == "eval"]
     best = max(evals, key=lambda r: r["probe_heldout_accuracy"])  # the first of equals: a tie keeps the earlier
@@ -155,7 +155,7 @@ def test_every_eval_needs_the_probe_and_evaluations(tiny_model: Path, corpus: di
 
 def test_a_resume_with_other_probe_settings_measures_before_again(tiny_model: Path, corpus: dict, probe_files: dict,
                                                                  tmp_path: Path) -> None:
-    """Issue 45, finding 1: a first attempt probed with 4 texts per label, resumed with the default (all 80):
+    """A first attempt probed with 4 texts per label, resumed with the default (all 80):
     `before` is measured again with the resume's settings, on the starting model, and so compares with `after`."""
     first, resumed = tmp_path / "first", tmp_path / "resumed"
     train(parse_args(probed_args(tiny_model, corpus, first, probe_files, "--probe_max_train_per_label", "4",
@@ -181,7 +181,7 @@ def test_a_resume_with_other_probe_settings_measures_before_again(tiny_model: Pa
 @pytest.mark.parametrize("flags", [["--config_overrides", "hidden_dropout_prob=0"], ["--trust_remote_code"]])
 def test_before_must_be_the_model_training_starts_from(tiny_model: Path, corpus: dict, probe_files: dict,
                                                        tmp_path: Path, flags: list[str]) -> None:
-    """Issue 45, finding 8: 'before' reads the starting checkpoint's folder; where the flags make training start
+    """'before' reads the starting checkpoint's folder; where the flags make training start
     from another model, the combination is refused in one line before anything is written."""
     out = tmp_path / "run"
     with pytest.raises(BadInput, match=f"--probe_train_file with {flags[0]}: the probe's 'before' reads"):

@@ -1,4 +1,4 @@
-"""The recipes shipped inside the package (`--config NAME`, issue 39): each parses and trains a few steps on a
+"""The recipes shipped inside the package (`--config NAME`): each parses and trains a few steps on a
 tiny model; a recipe run resumes exactly; the user's flags win over a recipe; the learning rate follows the
 square-root rule when the global batch differs from the recipe's, and stays as given when the user names one."""
 
@@ -36,7 +36,7 @@ def test_the_package_ships_the_three_recipes() -> None:
     for path in shipped_recipes().values():
         text = path.read_text()
         assert "Source:" in text and "Global batch assumed:" in text, path  # each cites and states its batch
-        assert "mlm_ddp's choice" in text, path  # the square-root rule is ours, not the source's (issue 45)
+        assert "mlm_ddp's choice" in text, path  # the square-root rule is ours, not the source's
     recipes = {name: yaml.safe_load(path.read_text()) for name, path in shipped_recipes().items()}
     for name in ("dapt", "tapt", "modernbert"):  # the rule compares tokens: each states its batch's length
         assert recipes[name]["training"]["lr_reference_seq_length"] == recipes[name]["data"]["max_seq_length"]
@@ -125,7 +125,7 @@ def test_the_square_root_rule(per_device: int, world: int, accumulation: int, re
                                                       (2048, 64, False), (8, 128, True), (32768, 512, True)])
 def test_the_square_root_rule_counts_tokens_and_warns_far_from_the_reference(
         batch: int, length: int, far: bool, caplog: pytest.LogCaptureFixture) -> None:
-    """Issue 45, finding 10: dapt's reference is 2048 sequences of 512 tokens. The rule scales by the ratio of
+    """The dapt recipe's reference is 2048 sequences of 512 tokens. The rule scales by the ratio of
     tokens per optimizer step, and warns only beyond 8x either way (within it: an info line)."""
     from accelerate import PartialState
 

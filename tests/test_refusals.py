@@ -1,4 +1,4 @@
-"""Issue 57's table: what a user gets wrong, tool by tool, and what each entry point says. A refusal is exit 2 and
+"""The table of what a user gets wrong, tool by tool, and what each entry point says. A refusal is exit 2 and
 one error line naming the flag and the fix, no traceback, nothing written in the output folder; a silent mistake
 (accepted, likely not meant) is one warning line and the run goes on. Every case runs in this process through the
 tool's own `main(argv)` (or, for the warnings, the preflight that logs them), before any model is trained: seconds

@@ -216,7 +216,7 @@ def test_nonfinite_gradients_stop_and_name_the_last_good_checkpoint(tiny_model: 
 def test_skipping_nonfinite_gradients_never_ends_a_run_that_took_no_update_as_done(tiny_model: Path, corpus: dict,
                                                                                     tmp_path: Path, capsys) -> None:
     """A NaN weight makes every step's loss NaN: 'skip' skips each update, and a run none of whose updates
-    was taken ends with exit 3, not "done" (issue 36). A NaN step now and then is skipped and counted:
+    was taken ends with exit 3, not "done". A NaN step now and then is skipped and counted:
     test_precision.py."""
     broken = tmp_path / "nan_model"
     shutil.copytree(tiny_model, broken)

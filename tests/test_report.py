@@ -1,4 +1,4 @@
-"""The run report (issue 10): HTML and PNG plots from real runs' metrics.jsonl, overlays, bad input."""
+"""The run report: HTML and PNG plots from real runs' metrics.jsonl, overlays, bad input."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Warmup-stable-decay and the decay branch (issue 39).
+"""Warmup-stable-decay and the decay branch.
 
 The schedule: for each decay shape, warm-up, stable and decay steps given as steps or as a fraction,
 the rates equal transformers' `get_wsd_schedule` at every step. In runs: the learning rate in
@@ -102,7 +102,7 @@ def test_a_resume_takes_up_the_step_count_and_this_runs_schedule() -> None:
 @pytest.mark.parametrize("kind", ["linear", "cosine", "warmup_stable_decay"])
 @pytest.mark.parametrize(("total", "step", "longer"), [(100, 95, 200), (10, 3, 11), (10, 10, 20), (8, 1, 9)])
 def test_a_longer_run_may_not_move_a_decay_under_way(kind: str, total: int, step: int, longer: int) -> None:
-    """Issue 45, finding 9: a checkpoint of step `step` of `total`, resumed with --max_train_steps `longer`.
+    """A checkpoint of step `step` of `total`, resumed with --max_train_steps `longer`.
     Where the longer schedule sets another rate at that step (a decay under way) the resume is refused,
     naming the step and the flag, or with --allow_lr_jump goes on with a warning; where it sets the same
     one (a warm-up given in steps, the stable phase of warmup_stable_decay) it goes on silently."""

@@ -1,4 +1,4 @@
-"""final/ of a sentence-transformers source loads as the same sentence-transformers pipeline (issue 38):
+"""final/ of a sentence-transformers source loads as the same sentence-transformers pipeline:
 the files that describe it are copied, the encoder is the trained one, and damaged files are refused
 before training."""
 

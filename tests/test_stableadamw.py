@@ -1,4 +1,4 @@
-"""--optimizer stableadamw (issue 39): optimi's StableAdamW with ModernBERT's settings. Its refusals, its
+"""--optimizer stableadamw: optimi's StableAdamW with ModernBERT's settings. Its refusals, its
 fully decoupled weight decay on the optimizer's groups, a run that trains and resumes exactly in one
 process and under FSDP2 on 2 CPU processes, and what it costs in waits for the device per step."""
 

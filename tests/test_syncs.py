@@ -1,4 +1,4 @@
-"""Host-device syncs in the hot loop (issue 30): counted on the CPU, where nothing syncs, by the
+"""Host-device syncs in the hot loop: counted on the CPU, where nothing syncs, by the
 operations that would sync on a CUDA device. A torch dispatch mode sees every aten call of the training
 loop (`train.fit`, forward and backward included): scalar reads (`.item()`, `int()`, `bool()`:
 aten._local_scalar_dense, is_nonzero), data-dependent shapes (nonzero, masked_select, indexing or
@@ -8,17 +8,17 @@ base seed, the collate function it calls) and the masking collator (data/masking
 under it), found anywhere on the stack. On a GPU run that work is done on host tensors (in numpy, or in
 DataLoader workers) before the batch is copied to the device, so a scalar read there waits for nothing.
 Everything else is counted, data/ included: `data.rank.to_device`, the copy onto the device, and the feed's
-own code outside the loader's iteration. Before issue 57 every frame under data/ was left out, to_device
+own code outside the loader's iteration: leaving every frame under data/ out would leave to_device out
 with it. The heartbeat says which step each count belongs to.
 
 The budget: exactly one wait for the device per optimizer step on the steps that neither log, evaluate
 nor save (the all-reduce of the step's masked tokens and stop votes, read once). Tensors made on the device
 from Python data (`torch.tensor(n, device=...)`) are copies from pageable host memory that wait for the
 device, which a dispatch mode cannot see: a TorchFunctionMode counts them, and the budget includes them.
-Before issue 30: 16 syncs per step; before issue 36: 1 sync and 3 copies at accumulation 2 (the loss
-sums' count per micro-batch, the stop votes per step); now 1 and 0. Before issue 46 a padded micro-batch
-(a packed run's short block, every batch of --line_by_line) cost one more: transformers' mask builder read
-`padding_mask.all()` back; the quiet steps of `padded_counted` hold padded micro-batches, and the count
+At accumulation 2 that is 1 sync and 0 copies: neither the loss sums' count (per micro-batch) nor the
+stop votes (per step) is a copy of Python data. A padded micro-batch (a packed run's short block, every
+batch of --line_by_line) costs nothing more: transformers' mask builder, which would read
+`padding_mask.all()` back, does not run; the quiet steps of `padded_counted` hold padded micro-batches, and the count
 records which (`count_syncs`' "padded"), so that the test cannot pass without them.
 The GPU suite (tests/gpu) checks the same with torch.cuda.set_sync_debug_mode."""
 
@@ -161,8 +161,8 @@ def describe(steps: dict[int, list[str]]) -> str:
 
 
 def test_no_step_and_no_evaluation_batch_copies_python_data_to_the_device(padded_counted: dict) -> None:
-    """Before issue 36: the loss sums' count, once per micro-batch and per evaluation batch
-    (model.loss_sums), and the stop votes, once per step (step.agree_on_step). Counted in each padded run
+    """Neither the loss sums' count, once per micro-batch and per evaluation batch (model.loss_sums), nor
+    the stop votes, once per step (step.agree_on_step), is a copy of Python data. Counted in each padded run
     (their steps hold unpadded micro-batches too, and they evaluate the corpus' held-out text)."""
     steps = per_step(padded_counted["copies"])
     evaluation = [what for (_, phase), what in padded_counted["copies"] if phase == "eval"]
@@ -219,7 +219,7 @@ def padded_counted(request: pytest.FixtureRequest, tiny_model: Path, corpus: dic
 def test_a_padded_micro_batch_costs_no_wait_for_the_device(padded_counted: dict) -> None:
     """Exactly the budget, neither 0 (the modes saw nothing) nor more: the read of the step's all-reduce, with
     padding in every quiet step: sdpa gets the 4-D mask (model.padding_mask_4d), so transformers' mask builder,
-    which reads `padding_mask.all()` back, never runs. Before issue 46: one more per padded micro-batch (2 or 3
+    which reads `padding_mask.all()` back, never runs: it would cost one more per padded micro-batch (2 or 3
     per step here). The packed run's steps read unpadded blocks beside the short one: the hot loop's budget
     without padding is this count too (a run of the whole corpus, counted apart, was the same check again)."""
     padded = per_step(padded_counted["padded"])

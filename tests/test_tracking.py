@@ -1,4 +1,4 @@
-"""--with_tracking: TensorBoard by default, wandb and MLflow through accelerate's trackers (issue 10)."""
+"""--with_tracking: TensorBoard by default, wandb and MLflow through accelerate's trackers."""
 
 from __future__ import annotations
 

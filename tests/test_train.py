@@ -89,7 +89,7 @@ def test_final_model_opens_in_fill_mask_pipeline(launched_run) -> None:
 def test_accumulation_equals_a_bigger_batch(tiny_model: Path, corpus: dict, tmp_path: Path,
                                             caplog: pytest.LogCaptureFixture) -> None:
     """Batch 8 x accumulation 2 trains exactly like batch 16: the loss is normalised per masked token. The second
-    run's folder holds a file of the user's own: one warning line names it, and it is kept (issue 57)."""
+    run's folder holds a file of the user's own: one warning line names it, and it is kept."""
     big = tmp_path / "big"
     train(parse_args(tiny_args(tiny_model, corpus, big, "--max_train_steps", "6", *NO_DROPOUT,
                                "--per_device_train_batch_size", "16")))

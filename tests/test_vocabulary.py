@@ -1,4 +1,4 @@
-"""`python -m mlm_ddp.tokenizer --extend` (issue 58): a model's vocabulary grown by the domain's words, for
+"""`python -m mlm_ddp.tokenizer --extend`: a model's vocabulary grown by the domain's words, for
 WordPiece (BERT), byte-level BPE (RoBERTa) and Unigram (SentencePiece) tokenizers. Every old id and row is
 kept; no text tokenizes longer; training from the extended folder works on 1 and 2 processes alike;
 bad input is one line and exit 2 before anything is written."""
