@@ -1,13 +1,13 @@
-"""The GPU suite's dry run on the CPU (issue 37), so that a collection error, a missing file, a wrong flag or
+"""The GPU suite's dry run on the CPU, so that a collection error, a missing file, a wrong flag or
 a parsing bug in tests/gpu is found here and not in the few minutes a GPU is at hand.
 
 It runs as an offline GPU machine would: without the packages such an image lacks and mlm_ddp's training
 does not need (the 83.5 MB pretrained model package, submitit, evaluate), each made unimportable by a
 module of that name first on the path that raises ImportError. Then, with `datasets` hidden too and CUDA
-simulated as present, the run fails at collection and names the wheels to bring (issue 57: it skipped green);
+simulated as present, the run fails at collection and names the wheels to bring (a skip would report green);
 and in the dry run, with a dependency of `datasets` hidden and another version of it installed (what a
 `--no-deps` install beside an older image gives), the suite skips and names the import's own error and the
-version conflict (issue 46, finding 4)."""
+version conflict."""
 
 from __future__ import annotations
 
@@ -68,10 +68,10 @@ def test_the_gpu_suite_dry_runs_on_the_cpu_without_what_a_gpu_image_lacks(tmp_pa
 
 def test_with_cuda_a_package_that_fails_to_import_fails_the_suite(tmp_path: Path) -> None:
     """On a machine with CUDA (the conftest's seam, MLM_DDP_GPU_SUITE_ASSUME_CUDA, on this CPU), `datasets`
-    unimportable fails the run and names it. Before issue 57 every GPU test skipped and pytest exited 0: a
-    broken GPU environment reported green. Without CUDA the suite skips (every CPU run of tests/, and the dry
+    unimportable fails the run and names it, not skips: a skipped suite exits 0, and a broken GPU environment
+    would report green. Without CUDA the suite skips (every CPU run of tests/, and the dry
     run above; tests/test_gpu_suite's fsspec case: the dry run's skip, exit 0). The reason names the wheels to
-    bring (this test replaced issue 46's dry-run skip without `datasets`, whose reason is the same line)."""
+    bring (a dry-run skip without `datasets` would give the same line, so this test covers it too)."""
     env = hide(tmp_path / "hidden", (*ABSENT_ON_A_GPU_IMAGE, "datasets"))
     del env["MLM_DDP_GPU_SUITE_ON_CPU"]
     proc = pytest_run({**env, "MLM_DDP_GPU_SUITE_ASSUME_CUDA": "1"}, "-q", timeout=300)

@@ -1,4 +1,4 @@
-"""`python -m tests.gpu.pace OUT`: issue 56's GPU measurement, one script that fits a short device slot.
+"""`python -m tests.gpu.pace OUT`: the GPU measurement, one script that fits a short device slot.
 
 Where the GPU step stands against the host's pace, on one GPU, in bf16:
 1. the bench at BERT-base 256 x 128 and 64 x 512 and at MiniLM's shape 32 x 128 (config-built encoders with

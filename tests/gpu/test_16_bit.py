@@ -20,10 +20,10 @@ rounds as many times, in mirror order); Adam's update is a ratio of gradient mom
 error is that of the gradients, and what an update does to the held-out loss changes by the same
 relative amount. Summed over the N updates: the held-out losses differ by at most √D·u times what the
 updates changed, fp32's drop L0 − LN, plus the 16-bit evaluation's own rounding, which the step-1 loss
-measures (the same weights in both formats): relative, √D·u·(L0 − LN)/LN + step-1's. Before issue 57
-the bound was N·√D·u, which assumed every update could shift the loss by a whole √D·u of itself:
-28.4% (bf16) and 3.55% (fp16) against the 9.0e-6 and 1.6e-5 an H200 measured, so loose that bf16 at
-half the learning rate passed (`held_out_bound`).
+measures (the same weights in both formats): relative, √D·u·(L0 − LN)/LN + step-1's (`held_out_bound`).
+A bound of N·√D·u would assume every update could shift the loss by a whole √D·u of itself: 28.4% (bf16)
+and 3.55% (fp16) against the 9.0e-6 and 1.6e-5 an H200 measured, so loose that bf16 at half the learning
+rate would pass.
 """
 
 from __future__ import annotations

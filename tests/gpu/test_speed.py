@@ -1,4 +1,4 @@
-"""Speed on the GPU (issue 37): the bench's two recipes on BERT-base and on MiniLM, and mlm_ddp.train beside
+"""Speed on the GPU: the bench's two recipes on BERT-base and on MiniLM, and mlm_ddp.train beside
 transformers' own run_mlm_no_trainer.py, each timed from inside its run.
 
 No test asserts a speed that noise could flip. What they assert: the figures exist and are finite, the
@@ -130,7 +130,7 @@ def check_on_device(result: dict[str, Any]) -> None:
 
 
 def check_learning(result: dict[str, Any]) -> None:
-    """Both recipes learn, and alike (issue 57; tests/test_bench.py checks the same on the CPU). The bench's
+    """Both recipes learn, and alike (tests/test_bench.py checks the same on the CPU). The bench's
     encoders start at random (`save_encoder`): held-out perplexity near the vocabulary's 30,522, log 10.3, and a
     from-scratch masked LM loses a few nats in its first hundred Adam steps at 1e-4 (towards the unigram
     distribution, log-perplexity ~7.5). Here 10 + 3 x 20 steps: a drop of 0.1 is far under that, and a (b)

@@ -1,4 +1,4 @@
-"""Two ranks train as one (issue 37): DDP and FSDP2 on two GPUs (two CPU processes over gloo in the dry run)
+"""Two ranks train as one: DDP and FSDP2 on two GPUs (two CPU processes over gloo in the dry run)
 give one rank's loss curve at the same global batch, save a checkpoint midway that a third run resumes into
 another folder with the same losses, and write a final/ that a fill-mask pipeline loads.
 
