@@ -18,7 +18,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from mlm_ddp.config.sections import check_masking
 from mlm_ddp.data import row_rng
 from mlm_ddp.errors import BadInput
 from mlm_ddp.model.positions import loss_layout
@@ -148,7 +147,7 @@ class MaskingCollator:
     _is_special: np.ndarray = field(init=False, repr=False)  # (vocab_size,) bool, looked up per token
 
     def __post_init__(self) -> None:
-        check_masking(self.mlm_probability, self.mask_replace_prob, self.random_replace_prob)
+        # the rate and the split are the config's (config/sections.py checks them where the flags are declared)
         row_rng.emulation_holds()  # checked (and said, where it does not hold) as the collator is built, not mid-run
         self._special = np.asarray(sorted(set(self.special_ids)), dtype=np.int64)
         self._replacement_ids = np.setdiff1d(np.arange(self.vocab_size, dtype=np.int64), self._special)
