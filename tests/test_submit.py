@@ -135,32 +135,6 @@ def test_two_nodes_train_the_local_curve(submitted: Path, tiny_model: Path, corp
     assert_matches_one_process(submitted, tiny_model, corpus, tmp_path, STEPS)
 
 
-def test_preemption_saves_on_every_rank_requeues_and_resumes(slurm: dict, submitted: Path, tiny_model: Path,
-                                                             corpus: dict, tmp_path: Path) -> None:
-    out = tmp_path / "run"
-    proc = submit(slurm, "--nodes", "2", "--partition", "test", *job_args(tiny_model, corpus, out))
-    assert proc.returncode == 0, proc.stderr
-    job = re.search(r"submitted job (\d+)", proc.stdout).group(1)
-    wait_for(lambda: last_step(out) >= 5, 180, "step 5 of the job")
-    signalled = datetime.now()
-    subprocess.run(["scancel", "--signal=USR2", job], env=slurm, check=True)  # as Slurm warns Submitit jobs
-    assert wait_done(slurm, job, 400) == "COMPLETED"
-    logs = "\n".join(p.read_text() for p in sorted((out / "submitit").rglob("*_log.err")))
-    stopped = re.findall(r"stopped at step (\d+) on signal SIGUSR2", logs)
-    assert len(stopped) == 2 and len(set(stopped)) == 1  # both ranks, the same step
-    assert f"requeued job {job}" in logs
-    step = int(stopped[0])
-    resumed = re.search(r"(\d\d:\d\d:\d\d) INFO mlm_ddp.loop.checkpoint: \[RANK 0\] resumed from .*step-0*"
-                        + str(step), logs)
-    assert resumed
-    took = (datetime.combine(signalled.date(), datetime.strptime(resumed.group(1), "%H:%M:%S").time())
-            - signalled).total_seconds()
-    print(f"requeue: signal to resumed in {took:.0f} s")  # for the record: pytest -s
-    assert [r["step"] for r in read_metrics(out) if "loss" in r] == list(range(1, STEPS + 1))
-    a, b = train_losses(submitted), train_losses(out)
-    assert max(abs(a[s] - b[s]) / a[s] for s in a) <= SAME_STEPS
-
-
 def test_resubmitted_on_one_node_a_two_node_checkpoint_trains_the_same_losses(
         slurm: dict, submitted: Path, tiny_model: Path, corpus: dict, tmp_path: Path) -> None:
     out, half = tmp_path / "run", f"step-{STEPS // 2:07d}"
@@ -179,20 +153,54 @@ def task_logs(job_dir: Path, job: str) -> list[str]:
     return [p.read_text() for p in sorted((job_dir / job).glob("*_log.err"))]
 
 
-def test_scancel_saves_a_checkpoint_and_is_not_requeued(slurm: dict, tiny_model: Path, corpus: dict,
-                                                        tmp_path: Path) -> None:
-    out = tmp_path / "run"
+@pytest.fixture(scope="module")
+def cancelled_then_preempted(slurm: dict, tiny_model: Path, corpus: dict,
+                             tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """One run through both stops, in two jobs: the first job cancelled (scancel: SIGTERM to every task),
+    then the same command again, with --wait, warned of a preemption (SIGUSR2) midway, requeued, and run to
+    the end. What each stop left is read before the next job can change it."""
+    out = tmp_path_factory.mktemp("stops") / "run"
     args = ["--nodes", "2", "--partition", "test", *job_args(tiny_model, corpus, out)]
     proc = submit(slurm, *args)
     assert proc.returncode == 0, proc.stderr
-    job = re.search(r"submitted job (\d+)", proc.stdout).group(1)
+    cancelled = re.search(r"submitted job (\d+)", proc.stdout).group(1)
     wait_for(lambda: last_step(out) >= 3, 180, "step 3 of the job")
-    subprocess.run(["scancel", job], env=slurm, check=True)  # as a user cancels: SIGTERM to every task
-    # rank 0 ends with what it decided: not requeued (or, as before, requeued, or a traceback)
-    wait_for(lambda: any(s in (task_logs(out / "submitit", job) or [""])[0]
-                         for s in ("not requeued", "requeued job", "Traceback")), 120, f"rank 0 of job {job} to end")
-    wait_done(slurm, job, 120)
-    fields, logs = job_fields(slurm, job), task_logs(out / "submitit", job)
+    subprocess.run(["scancel", cancelled], env=slurm, check=True)  # as a user cancels: SIGTERM to every task
+    # rank 0 ends with what it decided: not requeued (or, wrongly, requeued, or a traceback)
+    wait_for(lambda: any(s in (task_logs(out / "submitit", cancelled) or [""])[0]
+                         for s in ("not requeued", "requeued job", "Traceback")), 120,
+             f"rank 0 of job {cancelled} to end")
+    wait_done(slurm, cancelled, 120)
+    run = {"out": out, "cancelled": cancelled, "cancelled_fields": job_fields(slurm, cancelled),
+           "cancelled_logs": task_logs(out / "submitit", cancelled),
+           "stopped_json": json.loads((out / "stopped.json").read_text())}
+    run["checkpoint_complete"] = (Path(run["stopped_json"]["checkpoint"]) / "COMPLETE").is_file()
+    # the same command again, waiting for the end as a user would; warned of a preemption once it trains
+    again = subprocess.Popen([sys.executable, "-m", "mlm_ddp.submit", *args, "--wait"], cwd=REPO, text=True,
+                             env={**slurm, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        first = again.stdout.readline()
+        found = re.search(r"submitted job (\d+)", first)
+        assert found, first + again.stderr.read()
+        job = run["preempted"] = found.group(1)
+        resumed_at = run["stopped_json"]["step"]
+        wait_for(lambda: last_step(out) >= resumed_at + 3, 180, f"step {resumed_at + 3} of job {job}")
+        run["signalled"] = datetime.now()
+        subprocess.run(["scancel", "--signal=USR2", job], env=slurm, check=True)  # as Slurm warns Submitit jobs
+        rest, err = again.communicate(timeout=400)
+    finally:
+        if again.poll() is None:
+            again.kill()
+            again.wait()
+    run.update(wait=again.returncode, wait_out=first + rest, wait_err=err,
+               preempted_state=wait_done(slurm, job, 60),  # Slurm records the end a moment after --wait returns
+               cancelled_restarts=job_fields(slurm, cancelled)["Restarts"])
+    return run
+
+
+def test_scancel_saves_a_checkpoint_and_is_not_requeued(cancelled_then_preempted: dict) -> None:
+    run = cancelled_then_preempted
+    fields, logs = run["cancelled_fields"], run["cancelled_logs"]
     assert (fields["JobState"], fields["Restarts"]) == ("CANCELLED", "0"), fields
     assert len(logs) == 2 and not any("Traceback" in log for log in logs), "\n".join(logs)
     stopped = re.findall(r"stopped at step (\d+) on signal SIGTERM", "\n".join(logs))
@@ -200,17 +208,41 @@ def test_scancel_saves_a_checkpoint_and_is_not_requeued(slurm: dict, tiny_model:
     assert logs[0].count("mlm_ddp.submit: not requeued: SIGTERM is not the preemption warning (SIGUSR2); "
                          "resubmit the same command to continue") == 1
     assert "requeued job" not in logs[0]
-    record = json.loads((out / "stopped.json").read_text())
+    record = run["stopped_json"]
     assert (record["reason"], record["step"]) == ("signal SIGTERM", int(stopped[0]))
-    assert (Path(record["checkpoint"]) / "COMPLETE").is_file()
+    assert run["checkpoint_complete"]
     # the same command again continues from that checkpoint and finishes
-    proc = submit(slurm, *args, "--wait")
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert f": {STEPS} steps" in proc.stdout
-    again = re.search(r"submitted job (\d+)", proc.stdout).group(1)
-    assert re.search(r"resumed from .*step-0*" + stopped[0] + r"\b", task_logs(out / "submitit", again)[0])
+    assert run["wait"] == 0, run["wait_out"] + run["wait_err"]
+    assert f": {STEPS} steps" in run["wait_out"]
+    assert re.search(r"resumed from .*step-0*" + stopped[0] + r"\b",
+                     task_logs(run["out"] / "submitit", run["preempted"])[0])
+    assert [r["step"] for r in read_metrics(run["out"]) if "loss" in r] == list(range(1, STEPS + 1))
+    assert run["cancelled_restarts"] == "0"  # and the cancelled job never came back meanwhile
+
+
+def test_preemption_saves_on_every_rank_requeues_and_resumes(cancelled_then_preempted: dict,
+                                                             submitted: Path) -> None:
+    """The second job of `cancelled_then_preempted`: it resumed from the cancel's checkpoint, and the
+    preemption warning stops, saves, requeues and resumes it."""
+    run = cancelled_then_preempted
+    job, out = run["preempted"], run["out"]
+    assert run["preempted_state"] == "COMPLETED"
+    logs = "\n".join(task_logs(out / "submitit", job))
+    stopped = re.findall(r"stopped at step (\d+) on signal SIGUSR2", logs)
+    assert len(stopped) == 2 and len(set(stopped)) == 1  # both ranks, the same step
+    assert f"requeued job {job}" in logs
+    step = int(stopped[0])
+    assert run["stopped_json"]["step"] < step < STEPS  # a step this job trained before the warning
+    resumed = re.search(r"(\d\d:\d\d:\d\d) INFO mlm_ddp.loop.checkpoint: \[RANK 0\] resumed from .*step-0*"
+                        + str(step), logs)
+    assert resumed
+    signalled = run["signalled"]
+    took = (datetime.combine(signalled.date(), datetime.strptime(resumed.group(1), "%H:%M:%S").time())
+            - signalled).total_seconds()
+    print(f"requeue: signal to resumed in {took:.0f} s")  # for the record: pytest -s
     assert [r["step"] for r in read_metrics(out) if "loss" in r] == list(range(1, STEPS + 1))
-    assert job_fields(slurm, job)["Restarts"] == "0"  # and the cancelled job never came back meanwhile
+    a, b = train_losses(submitted), train_losses(out)
+    assert max(abs(a[s] - b[s]) / a[s] for s in a) <= SAME_STEPS
 
 
 def test_a_finished_run_submitted_again_is_a_success(slurm: dict, submitted: Path, tiny_model: Path,
