@@ -246,8 +246,8 @@ def temp_dir(output_dir: str | Path, step: int) -> Path:
 
 def written_by_rank(path: Path, rank: int) -> bool:
     """The files of a checkpoint that rank `rank` writes: its RNG states, its stream position, its own
-    parts' sections, its FSDP shards. On a network filesystem only the writer's fsync makes them durable, so each rank
-    fsyncs its own before the main process marks the checkpoint complete."""
+    parts' sections, its FSDP shards. On a network filesystem only the writer's fsync makes them durable,
+    so each rank fsyncs its own before the main process marks the checkpoint complete."""
     return path.name in (rng_file(rank), data_state_name(rank), rank_file(rank), f"__{rank}_0.distcp")
 
 

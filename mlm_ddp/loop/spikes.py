@@ -36,8 +36,9 @@ class LossSpikeGuard:
 
     MIN_HISTORY = 10
 
-    def __init__(self, factor: float, window: int, history: list[float] | None = None) -> None:
-        self.factor, self.history = factor, collections.deque(history or [], maxlen=window)
+    def __init__(self, factor: float, window: int) -> None:
+        # a resume or a rollback puts a checkpoint's losses back (LossSpikes.load_state_dict)
+        self.factor, self.history = factor, collections.deque(maxlen=window)
 
     def judge(self, loss: float) -> Spike | None:
         """The spike `loss` is, or None (then it joins the history). A NaN or inf loss is not judged:
