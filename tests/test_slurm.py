@@ -151,19 +151,56 @@ def test_srun_gives_each_node_s_launcher_the_job_s_cpus_and_its_process_as_many_
     assert_cpus(uninterrupted_run["log"], uninterrupted_run["seen"], ("n1", "n2"), cpus=2, threads=2)
 
 
-def test_preemption_checkpoints_requeues_and_resumes(slurm: dict, uninterrupted: Path, tiny_model: Path,
-                                                     corpus: dict, tmp_path: Path) -> None:
-    out = tmp_path / "run"
-    job = sbatch(slurm, out, *job_args(tiny_model, corpus, out))
-    wait_for(lambda: last_step(out) >= 5, 180, "step 5 of the job")
+@pytest.fixture(scope="module")
+def cancelled_then_preempted(slurm: dict, tiny_model: Path, corpus: dict,
+                             tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """One run through both stops, in two jobs: the first cancelled (scancel: SIGTERM), then the same
+    command again (each attempt resumes --output_dir), warned of a preemption midway, requeued and run to
+    the end. What the cancel left is read before the second job can change it."""
+    out = tmp_path_factory.mktemp("stops") / "run"
+    cancelled = sbatch(slurm, out, *job_args(tiny_model, corpus, out))
+    wait_for(lambda: last_step(out) >= 3, 180, "step 3 of the job")
+    subprocess.run(["scancel", cancelled], env=slurm, check=True)
+    # a requeue shows as a restart count (and a job pending or running again)
+    wait_for(lambda: job_state(slurm, cancelled) in ENDED or job_fields(slurm, cancelled).get("Restarts", "0") != "0",
+             120, f"job {cancelled} to end")
+    time.sleep(3)  # a requeue from the batch script would come after the step ended
+    run = {"out": out, "cancelled": cancelled, "cancelled_fields": job_fields(slurm, cancelled),
+           "cancelled_log": (out.parent / f"job-{cancelled}.out").read_text(),
+           "stopped_json": json.loads((out / "stopped.json").read_text())}
+    run["checkpoint_complete"] = (Path(run["stopped_json"]["checkpoint"]) / "COMPLETE").is_file()
+    job = run["preempted"] = sbatch(slurm, out, *job_args(tiny_model, corpus, out))
+    resumed_at = run["stopped_json"]["step"]
+    wait_for(lambda: last_step(out) >= resumed_at + 3, 180, f"step {resumed_at + 3} of job {job}")
     # what Slurm sends ahead of a preemption or the time limit (--signal=B:USR1@120)
     subprocess.run(["scancel", "--batch", "--signal=USR1", job], env=slurm, check=True)
-    assert wait_done(slurm, job, 400) == "COMPLETED"
-    log = (tmp_path / f"job-{job}.out").read_text()
+    run["preempted_state"] = wait_done(slurm, job, 400)
+    run["log"] = (out.parent / f"job-{job}.out").read_text()
+    return run
+
+
+def test_scancel_saves_a_checkpoint_and_does_not_requeue(cancelled_then_preempted: dict) -> None:
+    run = cancelled_then_preempted
+    fields, log = run["cancelled_fields"], run["cancelled_log"]
+    assert fields["JobState"] == "CANCELLED" and fields["Restarts"] == "0", log[-3000:]
+    assert "not requeueing" in log and "requeueing job" not in log
+    stopped = run["stopped_json"]
+    assert stopped["reason"] == "signal SIGTERM" and 3 <= stopped["step"] < STEPS, stopped
+    assert run["checkpoint_complete"]
+
+
+def test_preemption_checkpoints_requeues_and_resumes(cancelled_then_preempted: dict, uninterrupted: Path) -> None:
+    """The second job of `cancelled_then_preempted`: it resumed from the cancel's checkpoint, and the
+    preemption warning stops, saves, requeues and resumes it."""
+    run = cancelled_then_preempted
+    job, out, log = run["preempted"], run["out"], run["log"]
+    assert run["preempted_state"] == "COMPLETED", log[-3000:]
     assert "preemption warning" in log and f"requeueing job {job}" in log
     assert f"job {job} (restart 1)" in log
+    cancelled_at = run["stopped_json"]["step"]
+    assert f"resumed from {out / 'checkpoints' / f'step-{cancelled_at:07d}'} at step {cancelled_at}" in log
     stopped_at = int(log.split("mlm_ddp.train: stopped at step ")[1].split()[0])
-    assert 5 <= stopped_at < STEPS
+    assert cancelled_at < stopped_at < STEPS  # a step this job trained before the warning
     assert f"resumed from {out / 'checkpoints' / f'step-{stopped_at:07d}'} at step {stopped_at}" in log
     records = [r for r in read_metrics(out) if "loss" in r]
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))  # none lost, none repeated
@@ -208,25 +245,6 @@ def test_overwrite_output_dir_is_refused_before_anything_runs(slurm: dict, tiny_
     assert line.startswith("slurm/multinode.sh: error: --overwrite_output_dir") and str(out) in line
     assert "choose another --output_dir" in line
     assert not out.exists()
-
-
-def test_scancel_saves_a_checkpoint_and_does_not_requeue(slurm: dict, tiny_model: Path, corpus: dict,
-                                                         tmp_path: Path) -> None:
-    out = tmp_path / "run"
-    # enough steps to be running when cancelled, few enough that a job which requeued itself ends soon
-    job = sbatch(slurm, out, *tiny_args(tiny_model, corpus, out, "--max_train_steps", "400"))
-    wait_for(lambda: last_step(out) >= 3, 180, "step 3 of the job")
-    subprocess.run(["scancel", job], env=slurm, check=True)
-    # a requeue shows as a restart count (and a job pending or running again)
-    wait_for(lambda: job_state(slurm, job) in ENDED or job_fields(slurm, job).get("Restarts", "0") != "0",
-             120, f"job {job} to end")
-    time.sleep(3)  # a requeue from the batch script would come after the step ended
-    fields, log = job_fields(slurm, job), (tmp_path / f"job-{job}.out").read_text()
-    assert fields["JobState"] == "CANCELLED" and fields["Restarts"] == "0", log[-3000:]
-    assert "not requeueing" in log and "requeueing job" not in log
-    stopped = json.loads((out / "stopped.json").read_text())
-    assert stopped["reason"] == "signal SIGTERM" and 3 <= stopped["step"], stopped
-    assert (Path(stopped["checkpoint"]) / "COMPLETE").is_file()
 
 
 @pytest.fixture(scope="module")
