@@ -45,8 +45,10 @@ def generated_batch(seed: int) -> dict:
             **loss_layout(labels != IGNORE_INDEX)}
 
 
-def test_compiled_regions_compute_the_eager_step_with_no_graph_break_and_a_bounded_number_of_compilations(
-) -> None:
+def compare_compiled(backend: str, training: list[int], evaluation: list[int]) -> list[int]:
+    """The compiled model (`backend`) against the eager one on the generated batches of seeds `training`
+    (forward and backward, gradients summed) and then `evaluation` (no_grad): the same losses, gradients and
+    counts, and no graph break. Returns dynamo's count of distinct graphs after each training batch."""
     from accelerate.state import PartialState
     from torch._dynamo.utils import counters
 
@@ -54,12 +56,12 @@ def test_compiled_regions_compute_the_eager_step_with_no_graph_break_and_a_bound
     torch._dynamo.reset()
     counters.clear()
     eager = wrap_model(bert(), ModelConfig(), torch_compile=False, device=CPU)
-    compiled = wrap_model(bert(), ModelConfig(), torch_compile=True, device=CPU)
+    compiled = wrap_model(bert(), ModelConfig(), torch_compile=True, device=CPU, compile_options={"backend": backend})
     assert compiled.last_layer_subset and eager.last_layer_subset  # the fast path is kept under compile
     assert compiled.state_dict().keys() == eager.state_dict().keys()  # checkpoints load either way
 
     graphs = []
-    for seed in range(12):
+    for seed in training:
         b = generated_batch(seed)
         got, want = compiled(**b), eager(**b)
         got[0].backward()
@@ -67,7 +69,7 @@ def test_compiled_regions_compute_the_eager_step_with_no_graph_break_and_a_bound
         torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5, msg=f"batch {seed}")
         assert int(got[2]) == 0  # a training step runs no argmax: nothing reads its accuracy
         graphs.append(counters["stats"]["unique_graphs"])
-    # summed over 12 batches of loss sums: fp32's rounding relative to the whole gradient's size (some
+    # summed over the batches' loss sums: fp32's rounding relative to the whole gradient's size (some
     # tensors', the keys' bias, are zero but for rounding: softmax ignores what every key adds alike)
     got = torch.cat([p.grad.flatten() for p in compiled.parameters()])
     want = torch.cat([p.grad.flatten() for p in eager.parameters()])
@@ -75,19 +77,34 @@ def test_compiled_regions_compute_the_eager_step_with_no_graph_break_and_a_bound
     compiled.eval()
     eager.eval()
     with torch.no_grad():
-        for seed in range(100, 104):
+        for seed in evaluation:
             b = generated_batch(seed)
             got, want = compiled(**b), eager(**b)
             torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
             assert int(got[2]) == int(want[2])  # evaluation counts what it predicted right
     assert not counters["graph_break"], dict(counters["graph_break"])
+    return graphs
+
+
+def test_compiled_regions_trace_with_no_graph_break_and_a_bounded_number_of_compilations() -> None:
+    """12 training batches and 4 evaluation ones, on aot_eager: dynamo's graphs, their breaks and
+    recompilations are the backend's input, the same for Inductor (whose kernels the next test checks)."""
+    graphs = compare_compiled("aot_eager", list(range(12)), list(range(100, 104)))
     # At most, per region and kind of mask (the layer's and the subset's: a padded batch's 4-D mask, or none
     # for a packed one; the head's: none), one compilation for the first shapes and one with the changing
     # sizes symbolic: 2 x (2 + 2 + 1) = 10 in training; evaluation (dropout's flag) one more each, its sizes
     # already symbolic: 5. Measured: 8 and 5. And every shape is covered after the first few batches: no
     # compilation in the second half of training.
     assert graphs[5] == graphs[-1], graphs
-    assert counters["stats"]["unique_graphs"] <= 15, (graphs, dict(counters["stats"]))
+    assert graphs[-1] <= 15, graphs
+
+
+def test_inductors_kernels_compute_the_eager_step_and_evaluation() -> None:
+    """Inductor's generated kernels on a padded and a packed batch (both kinds of mask) in training, then
+    an evaluation batch: each compiled once, at its first shapes."""
+    kinds = {seed: generated_batch(seed)["padded"] for seed in range(12)}
+    padded, packed = next(s for s, p in kinds.items() if p), next(s for s, p in kinds.items() if not p)
+    compare_compiled("inductor", [padded, packed], [padded])
 
 
 def test_dropout_in_a_compiled_layer_draws_from_the_default_generator_so_a_resume_redraws_it() -> None:
@@ -111,8 +128,8 @@ def test_dropout_in_a_compiled_layer_draws_from_the_default_generator_so_a_resum
 def test_a_compiled_run_of_two_processes_killed_and_resumed_trains_the_eager_one_process_curve(
         tiny_model: Path, corpus: dict, tmp_path: Path) -> None:
     """The compiled regions inside DDP, through a kill and a resume. The backend is aot_eager: the same
-    dynamo graphs and compiled autograd as Inductor, without generating kernels (which the in-process test
-    above checks against eager), so that four processes cost no four Inductor compilations."""
+    dynamo graphs and compiled autograd as Inductor, without generating kernels (Inductor's
+    are checked against eager in process, above), so that four processes cost no four Inductor compilations."""
     out, steps = tmp_path / "run", 6
     args = tiny_args(tiny_model, corpus, out, "--max_train_steps", str(steps), "--checkpointing_steps", "2",
                      "--per_device_train_batch_size", "8", "--torch_compile", "--torch_compile_backend", "aot_eager",
