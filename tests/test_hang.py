@@ -4,9 +4,10 @@ End to end, on 2 real processes over gloo:
 - rank 1 freezes itself (SIGSTOP) in one phase of step 3, or sticks there alive: the survivor's watchdog
   names that rank, its host and its phase before the process group times out, and
   `python -m mlm_ddp.distributed --diagnose` says the same afterwards;
-- rank 1 runs under libfaketime a minute ahead of rank 0, every evaluation lasts longer than
-  --ddp_timeout, and rank 1 finishes long before rank 0's final phase does: the run ends with exit 0 and
-  no hang record (each of the three fired the file-based watchdog this one replaced).
+- in one run, rank 1 joins 10 s after rank 0, runs under libfaketime a minute ahead of it, every
+  evaluation lasts longer than --ddp_timeout, and rank 1 finishes long before rank 0's final phase does:
+  the run ends with exit 0 and no hang record (the last three each fired the file-based watchdog this one
+  replaced).
 The watchdog's own judgement on a real TCPStore with simulated time: frozen, behind, finished, never
 started, all slow, a long phase without a collective, a store that shows records late, a store and a
 file that fail; and its cost per rank at 8 and 64 ranks.
@@ -110,9 +111,8 @@ def test_the_survivor_and_diagnose_name_the_stopped_rank_its_host_and_phase(
     assert expected in after.out and where in after.out and after.out.count("\n") == 1, after.out
 
 
-@pytest.fixture(scope="module")
-def faketime() -> str:
-    """Debian's faketime (libfaketime), installed where it is missing and we may."""
+def find_faketime() -> str | None:
+    """Debian's faketime (libfaketime), installed where it is missing and we may; None where it cannot be."""
     if shutil.which("faketime") is None and os.geteuid() == 0:
         subprocess.run(["apt-get", "install", "-y", "-qq", "faketime"], env={**os.environ,
                        "DEBIAN_FRONTEND": "noninteractive"}, capture_output=True, timeout=600)
@@ -120,27 +120,49 @@ def faketime() -> str:
             subprocess.run(["apt-get", "update", "-qq"], capture_output=True, timeout=600)
             subprocess.run(["apt-get", "install", "-y", "-qq", "faketime"], env={**os.environ,
                            "DEBIAN_FRONTEND": "noninteractive"}, capture_output=True, timeout=600)
-    if shutil.which("faketime") is None:
-        pytest.skip("faketime (Debian's package faketime) is not installed and installing it needs root")
     return shutil.which("faketime")
 
 
-def test_a_rank_that_joins_later_than_ddp_timeout_is_waited_for(tiny_model: Path, corpus: dict,
-                                                                 tmp_path: Path) -> None:
-    """Rank 1 starts 12 s after rank 0, against a 5 s --ddp_timeout (a node that imports from a slow shared
-    filesystem or converts a large raw corpus to Arrow before it joins): the run trains, since the start
-    waits --rendezvous_timeout; a rank that never comes is named with that flag once it has passed."""
-    out = tmp_path / "run"
-    args = tiny_args(tiny_model, corpus, out, "--max_train_steps", "2", "--max_eval_samples", "16", "--ddp_timeout",
-                     "5", "--save_timeout", "5", "--cpu_threads", "1", "--report", "false")
+NO_FAKETIME = "faketime (Debian's package faketime) is not installed and installing it needs root"
+
+
+@pytest.fixture(scope="module")
+def faketime() -> str:
+    found = find_faketime()
+    if found is None:
+        pytest.skip(NO_FAKETIME)
+    return found
+
+
+@pytest.fixture(scope="module")
+def late_and_skewed(tiny_model: Path, corpus: dict, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """One healthy 2-process run that meets four things a cluster does, each longer than --ddp_timeout (5 s)
+    or --save_timeout (5 s): rank 1 reaches the join 10 s after rank 0 (it sleeps before its preflight, as a
+    node that imports from a slow shared filesystem or converts a large raw corpus to Arrow before it
+    joins); every evaluation (before training, at steps 2 and 4) lasts 7 s without a collective until its
+    reduce; rank 1's wall clock is 60 s ahead of rank 0's (libfaketime; its monotonic clock is left alone,
+    as a host's own: libfaketime 0.9.10's faked one stalls timed waits of threads); rank 0 spends 9 s in its
+    final phase after rank 1 finished. Without faketime the run keeps the rest, and the clock's test skips."""
+    found = find_faketime()
+    out = tmp_path_factory.mktemp("late_and_skewed") / "run"
+    args = tiny_args(tiny_model, corpus, out, "--max_train_steps", "4", "--eval_steps", "2", "--max_eval_samples",
+                     "16", "--ddp_timeout", "5", "--save_timeout", "5", "--cpu_threads", "1", "--report", "false")
     port = free_port()
-    first = start_rank(0, port, out, args)
-    time.sleep(12)
-    ranks = [first, start_rank(1, port, out, args)]
+    faults = ["--slow_preflight", "1:10", "--slow_eval_s", "7"]
+    ranks = [start_rank(0, port, out, [*faults, "--slow_final_s", "0:9", *args]),
+             start_rank(1, port, out, [*faults, *args], wrap=[found, "-f", "+60s"] if found else [])]
     codes = [proc.wait(timeout=300) for proc in ranks]
     logs = [(out.parent / f"rank{rank}.log").read_text() for rank in (0, 1)]
-    assert codes == [0, 0], "\n".join(log[-2000:] for log in logs)
-    assert json.loads((out / "summary.json").read_text())["steps"] == 2
+    return {"out": out, "codes": codes, "logs": logs, "skewed": found is not None}
+
+
+def test_a_rank_that_joins_later_than_ddp_timeout_is_waited_for(late_and_skewed: dict, tiny_model: Path,
+                                                                 corpus: dict, tmp_path: Path) -> None:
+    """The late rank of the shared run: it trains, since the start waits --rendezvous_timeout; a rank that
+    never comes is named with that flag once it has passed."""
+    out = late_and_skewed["out"]
+    assert late_and_skewed["codes"] == [0, 0], "\n".join(log[-2000:] for log in late_and_skewed["logs"])
+    assert json.loads((out / "summary.json").read_text())["steps"] == 4
 
     alone = tmp_path / "alone" / "run"
     alone.parent.mkdir()
@@ -162,22 +184,12 @@ def test_the_rank_under_faketime_can_sleep_as_libraries_do(faketime: str) -> Non
     assert done.returncode == 0 and done.stdout.strip() == "slept", done.stderr[-2000:]
 
 
-def test_clocks_a_minute_apart_long_evaluations_and_a_finished_peer_raise_no_alarm(
-        tiny_model: Path, corpus: dict, tmp_path: Path, faketime: str) -> None:
-    """Every evaluation (before training, at steps 2 and 4) lasts 7 s, longer than --ddp_timeout (5 s),
-    without a collective until its reduce; rank 1's wall clock is 60 s ahead of rank 0's (libfaketime;
-    its monotonic clock is left alone, as a host's own: libfaketime 0.9.10's faked one stalls timed waits
-    of threads); rank 0 spends 9 s in its final phase after rank 1 finished (longer than
-    --save_timeout). A healthy run: exit 0 on both, and no hang record."""
-    out = tmp_path / "run"
-    args = tiny_args(tiny_model, corpus, out, "--max_train_steps", "4", "--eval_steps", "2", "--max_eval_samples",
-                     "16", "--ddp_timeout", "5", "--save_timeout", "5", "--cpu_threads", "1", "--report", "false")
-    port = free_port()
-    ranks = [start_rank(0, port, out, ["--slow_eval_s", "7", "--slow_final_s", "0:9", *args]),
-             start_rank(1, port, out, ["--slow_eval_s", "7", *args], wrap=[faketime, "-f", "+60s"])]
-    codes = [proc.wait(timeout=300) for proc in ranks]
-    logs = [(out.parent / f"rank{rank}.log").read_text() for rank in (0, 1)]
-    assert codes == [0, 0], "\n".join(log[-2000:] for log in logs)
+def test_clocks_a_minute_apart_long_evaluations_and_a_finished_peer_raise_no_alarm(late_and_skewed: dict) -> None:
+    """The shared run is healthy: exit 0 on both, and no hang record."""
+    if not late_and_skewed["skewed"]:
+        pytest.skip(NO_FAKETIME)
+    out, logs = late_and_skewed["out"], late_and_skewed["logs"]
+    assert late_and_skewed["codes"] == [0, 0], "\n".join(log[-2000:] for log in logs)
     assert not list((out / "heartbeat").glob("hang-rank-*.json")) and "hang:" not in "".join(logs)
     # rank 1 did run a minute ahead, and the run was as long as the injected waits make it
     beats = {rank: json.loads((out / "heartbeat" / f"rank-0000{rank}.json").read_text()) for rank in (0, 1)}
