@@ -14,7 +14,17 @@ import pytest
 
 from mlm_ddp.config import parse_args
 from mlm_ddp.train import main, train
-from tests.conftest import CONFIGS, LAUNCH, NO_DROPOUT, SAME_STEPS, free_port, run_module, tiny_args, train_losses
+from tests.conftest import (
+    CONFIGS,
+    LAUNCH,
+    NO_DROPOUT,
+    SAME_STEPS,
+    free_port,
+    launch_runs,
+    run_module,
+    tiny_args,
+    train_losses,
+)
 
 STEPS, SAVED = 10, 5
 
@@ -45,20 +55,49 @@ def four_processes(tiny_model: Path, corpus: dict, tmp_path_factory: pytest.Temp
     return out
 
 
+STREAM = ["--streaming", "--shuffle_buffer_size", "8", "--max_eval_samples", "16", "--max_train_steps", "6",
+          "--checkpointing_steps", "3"]
+
+
+def resume_args(tiny_model: Path, corpus: dict, out: Path, batch: int, accumulation: int) -> list[str]:
+    return tiny_args(tiny_model, corpus, out, "--max_train_steps", str(STEPS), "--checkpointing_steps", str(SAVED),
+                     *NO_DROPOUT, "--per_device_train_batch_size", str(batch),
+                     "--gradient_accumulation_steps", str(accumulation), "--resume_from_checkpoint", "latest")
+
+
+@pytest.fixture(scope="module")
+def on_two(four_processes: Path, tiny_model: Path, corpus: dict,
+           tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
+    """The runs of two processes, under one launch (tests.conftest.launch_runs): the 4-process checkpoint
+    resumed on 2 x 4 ("2x4x1") and on 2 x 2 with accumulation 2 ("2x2x2"), and a stream of 2 x 4 that
+    saves at step 3 ("stream"); id -> its result."""
+    root = tmp_path_factory.mktemp("on_two")
+    cases = []
+    for batch, accumulation in [(4, 1), (2, 2)]:
+        out = resumed_copy(four_processes, root / f"{batch}x{accumulation}")
+        cases.append({"id": f"2x{batch}x{accumulation}", "out": str(out),
+                      "argv": resume_args(tiny_model, corpus, out, batch, accumulation)})
+    stream = root / "stream"
+    cases.append({"id": "stream", "out": str(stream),
+                  "argv": tiny_args(tiny_model, corpus, stream, *STREAM, "--per_device_train_batch_size", "4")})
+    runs = launch_runs(cases, root / "results")
+    for name, result in runs.items():
+        assert result["exit"] == 0, (name, result["log"][-3000:])
+    return runs
+
+
 @pytest.mark.parametrize(("procs", "batch", "accumulation"), [(2, 4, 1), (2, 2, 2), (1, 8, 1)])
 def test_a_checkpoint_of_four_processes_resumes_on_fewer_with_the_same_losses(
         procs: int, batch: int, accumulation: int, four_processes: Path, tiny_model: Path, corpus: dict,
-        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    out = resumed_copy(four_processes, tmp_path / "resumed")
-    args = tiny_args(tiny_model, corpus, out, "--max_train_steps", str(STEPS), "--checkpointing_steps", str(SAVED),
-                     *NO_DROPOUT, "--per_device_train_batch_size", str(batch),
-                     "--gradient_accumulation_steps", str(accumulation), "--resume_from_checkpoint", "latest")
+        tmp_path: Path, caplog: pytest.LogCaptureFixture, request: pytest.FixtureRequest) -> None:
     if procs == 1:
+        out = resumed_copy(four_processes, tmp_path / "resumed")
         with caplog.at_level("INFO"):
-            train(parse_args(args))
+            train(parse_args(resume_args(tiny_model, corpus, out, batch, accumulation)))
         log = caplog.text
     else:
-        log = launch(procs, args)
+        run = request.getfixturevalue("on_two")[f"{procs}x{batch}x{accumulation}"]
+        out, log = Path(run["out"]), run["log"]
     assert f"at step {SAVED}, written by 4 process(es)" in log
     straight, resumed = train_losses(four_processes), train_losses(out)
     assert sorted(resumed) == list(range(SAVED + 1, STEPS + 1))
@@ -89,16 +128,13 @@ def test_another_global_batch_is_refused_with_the_arithmetic(batch: int, accumul
 
 
 def test_a_stream_resumed_on_another_number_of_processes_goes_on_at_the_next_epoch(
-        tiny_model: Path, corpus: dict, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    straight = tmp_path / "straight"
-    common = ["--streaming", "--shuffle_buffer_size", "8", "--max_eval_samples", "16", "--max_train_steps", "6",
-              "--checkpointing_steps", "3"]
-    launch(2, tiny_args(tiny_model, corpus, straight, *common, "--per_device_train_batch_size", "4"))
-    out = tmp_path / "resumed"
+        on_two: dict[str, dict], tiny_model: Path, corpus: dict, tmp_path: Path,
+        caplog: pytest.LogCaptureFixture) -> None:
+    straight, out = Path(on_two["stream"]["out"]), tmp_path / "resumed"
     (out / "checkpoints").mkdir(parents=True)
     shutil.copytree(straight / "checkpoints" / "step-0000003", out / "checkpoints" / "step-0000003")
     with caplog.at_level("INFO"):
-        train(parse_args(tiny_args(tiny_model, corpus, out, *common, "--per_device_train_batch_size", "8",
+        train(parse_args(tiny_args(tiny_model, corpus, out, *STREAM, "--per_device_train_batch_size", "8",
                                    "--resume_from_checkpoint", "latest")))
     skipped = re.search(r"written by 2 process\(es\) and this run has 1: .* training goes on at the start of epoch 1; "
                         r"the rest of epoch 0 is skipped. Its 2 part\(s\) had trained on (\d+) packed block\(s\) .*"
