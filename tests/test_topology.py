@@ -266,11 +266,12 @@ def test_two_processes_see_disjoint_samples(tmp_path: Path) -> None:
 
 @pytest.fixture(scope="module")
 def one_process_curve(tiny_model: Path, corpus: dict, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """One process at the global batch, in this process (tests/test_train.py launches cpu.yaml)."""
+    from mlm_ddp.train import train
+
     out = tmp_path_factory.mktemp("one") / "run"
-    proc = launch_with("cpu.yaml", *tiny_args(tiny_model, corpus, out, "--max_train_steps", str(STEPS),
-                                              *NO_DROPOUT, "--per_device_train_batch_size", "16"))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "topology: 1 process(es) on 1 node(s), DistributedType.NO" in proc.stderr
+    train(parse_args(tiny_args(tiny_model, corpus, out, "--max_train_steps", str(STEPS), *NO_DROPOUT,
+                               "--per_device_train_batch_size", "16")))
     return train_losses(out)
 
 

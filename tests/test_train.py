@@ -42,6 +42,7 @@ def launched_run(tiny_model: Path, corpus: dict, tmp_path_factory: pytest.TempPa
 
 def test_launch_writes_every_output(launched_run) -> None:
     out, proc = launched_run
+    assert "topology: 1 process(es) on 1 node(s), DistributedType.NO" in proc.stderr
     assert (out / "config.yaml").is_file()
     written = parse_args(["--config", str(out / "config.yaml")])
     assert written.training.max_train_steps == 6 and written.data.max_seq_length == 32
