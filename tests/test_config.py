@@ -6,7 +6,7 @@ import yaml
 
 from mlm_ddp.config import Config, from_dict, load_recipe, parse_args
 from mlm_ddp.errors import BadInput
-from tests.conftest import run_module
+from mlm_ddp.train import main as train_main
 
 RUN_MLM_FLAGS = [
     "--model_name_or_path", "--tokenizer_name", "--train_file", "--validation_file", "--dataset_name",
@@ -19,11 +19,14 @@ RUN_MLM_FLAGS = [
 ]
 
 
-def test_help_lists_every_flag() -> None:
-    proc = run_module(["mlm_ddp.train", "--help"])
-    assert proc.returncode == 0, proc.stderr
+def test_help_lists_every_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    """In this process: `python -m mlm_ddp.train` runs this main (tests/test_train.py's exit code)."""
+    with pytest.raises(SystemExit) as done:
+        train_main(["--help"])
+    out = capsys.readouterr().out
+    assert done.value.code == 0, out
     for flag in RUN_MLM_FLAGS:
-        assert flag in proc.stdout, flag
+        assert flag in out, flag
 
 
 def test_flags_fill_the_tree() -> None:
@@ -116,10 +119,11 @@ def test_what_torch_or_argparse_refused_with_a_traceback_is_named(argv: list[str
         parse_args(argv)
 
 
-def test_cli_error_exits_2() -> None:
-    proc = run_module(["mlm_ddp.train", "--mlm_probability", "2"])
-    assert proc.returncode == 2
-    assert "--mlm_probability must be strictly between 0 and 1, got 2.0" in proc.stderr
+def test_cli_error_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
+    code = train_main(["--mlm_probability", "2"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "--mlm_probability must be strictly between 0 and 1, got 2.0" in err
     # an unknown flag: test_layout's test_a_mistyped_flag_is_named_not_a_traceback, every tool in one process
 
 
