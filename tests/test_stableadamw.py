@@ -14,8 +14,8 @@ import torch
 from mlm_ddp.config import TrainingConfig, parse_args
 from mlm_ddp.errors import BadInput
 from mlm_ddp.train import main, train
-from tests.conftest import NO_DROPOUT, SAME_STEPS, tiny_args, train_losses
-from tests.test_fsdp import train_two
+from tests.conftest import NO_DROPOUT, SAME_STEPS, launch_runs, tiny_args, train_losses
+from tests.test_fsdp import COMMON, FSDP_ENV
 from tests.test_syncs import SYNC_BUDGET, count_syncs, describe, waits
 
 pytest.importorskip("optimi", reason='the stableadamw extra: pip install "mlm_ddp[stableadamw]"')
@@ -111,11 +111,17 @@ def test_fsdp2_trains_the_same_curve_and_resumes_exactly(straight: Path, tiny_mo
     common = [*MODERNBERT, "--max_train_steps", str(STEPS), "--checkpointing_steps", str(SAVE_AT),
               "--per_device_train_batch_size", "4", "--lr_scheduler_type", "linear"]
     fsdp, resumed = tmp_path / "fsdp", tmp_path / "resumed"
-    log = train_two("fsdp.yaml", tiny_model, corpus, fsdp, *common)
-    assert "topology: 2 process(es) on 1 node(s), DistributedType.FSDP" in log
-    assert (fsdp / "checkpoints" / f"step-{SAVE_AT:07d}" / "optimizer_0").is_dir()  # sharded, optimi's state too
-    resume_copy(fsdp, resumed)
-    train_two("fsdp.yaml", tiny_model, corpus, resumed, *common, "--resume_from_checkpoint", "latest")
+    saved = fsdp / "checkpoints" / f"step-{SAVE_AT:07d}"
+    # one launch: the straight run, then a run in another folder resumed from its checkpoint
+    runs = launch_runs([{"id": "fsdp", "out": str(fsdp), "argv": tiny_args(tiny_model, corpus, fsdp, *COMMON, *common)},
+                        {"id": "resumed", "out": str(resumed),
+                         "argv": tiny_args(tiny_model, corpus, resumed, *COMMON, *common, "--resume_from_checkpoint",
+                                           str(saved))}],
+                       tmp_path / "results", config="fsdp.yaml", env=FSDP_ENV)
+    assert [runs[name]["exit"] for name in ("fsdp", "resumed")] == [0, 0], runs["resumed"]["log"][-3000:]
+    assert "topology: 2 process(es) on 1 node(s), DistributedType.FSDP" in runs["fsdp"]["log"]
+    assert f"resumed from {saved} at step {SAVE_AT}" in runs["resumed"]["log"], runs["resumed"]["log"][-3000:]
+    assert (saved / "optimizer_0").is_dir()  # sharded, optimi's state too
     local, a, b = train_losses(straight), train_losses(fsdp), train_losses(resumed)
     assert sorted(a) == list(range(1, STEPS + 1)) and sorted(b) == list(range(SAVE_AT + 1, STEPS + 1))
     assert max(abs(local[s] - a[s]) / local[s] for s in a) <= SAME_STEPS, (local, a)
