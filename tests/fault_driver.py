@@ -122,7 +122,8 @@ def delay_on_rank(where: str, owner: object, name: str) -> None:
     @functools.wraps(original)
     def slow(*args: object, **kwargs: object) -> object:
         print(f"fault_driver: rank {rank} delays {name} by {seconds} s", file=sys.stderr, flush=True)
-        pause(float(seconds))
+        # through the module, as libraries sleep (filelock): under libfaketime, the patched time.sleep above
+        time.sleep(float(seconds))
         return original(*args, **kwargs)
 
     setattr(owner, name, slow)

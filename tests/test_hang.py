@@ -35,7 +35,7 @@ from mlm_ddp import distributed
 from mlm_ddp.cluster import heartbeat, watchdog
 from mlm_ddp.cluster.heartbeat import ALIVE_EVERY_S, Beat
 from mlm_ddp.cluster.watchdog import Watchdog
-from tests.conftest import REPO, free_port, run_module, tiny_args
+from tests.conftest import REPO, free_port, run_module, tiny_args, wait_for
 
 PHASES = ["data", "forward/backward", "optimizer", "eval", "checkpoint"]
 # --ddp_timeout and --save_timeout of the frozen runs: the watchdog names a frozen rank once its tick has
@@ -142,7 +142,8 @@ def late_and_skewed(tiny_model: Path, corpus: dict, tmp_path_factory: pytest.Tem
     joins); every evaluation (before training, at steps 2 and 4) lasts 7 s without a collective until its
     reduce; rank 1's wall clock is 60 s ahead of rank 0's (libfaketime; its monotonic clock is left alone,
     as a host's own: libfaketime 0.9.10's faked one stalls timed waits of threads); rank 0 spends 9 s in its
-    final phase after rank 1 finished. Without faketime the run keeps the rest, and the clock's test skips."""
+    final phase after rank 1 finished. Without faketime the run keeps the rest, and the clock's test skips.
+    Beside it, at the same time (all three mostly wait): one rank of a 2-process job whose peer never comes."""
     found = find_faketime()
     out = tmp_path_factory.mktemp("late_and_skewed") / "run"
     args = tiny_args(tiny_model, corpus, out, "--max_train_steps", "4", "--eval_steps", "2", "--max_eval_samples",
@@ -151,41 +152,39 @@ def late_and_skewed(tiny_model: Path, corpus: dict, tmp_path_factory: pytest.Tem
     faults = ["--slow_preflight", "1:10", "--slow_eval_s", "7"]
     ranks = [start_rank(0, port, out, [*faults, "--slow_final_s", "0:9", *args]),
              start_rank(1, port, out, [*faults, *args], wrap=[found, "-f", "+60s"] if found else [])]
-    codes = [proc.wait(timeout=300) for proc in ranks]
+    alone = tmp_path_factory.mktemp("alone") / "run"
+    lonely = start_rank(0, free_port(), alone, [*tiny_args(tiny_model, corpus, alone, "--ddp_timeout", "2",
+                                                           "--rendezvous_timeout", "3")])
+    try:  # a rank that fails leaves its peer waiting in the join for --rendezvous_timeout: stop it then
+        wait_for(lambda: all(proc.poll() is not None for proc in ranks) or any(proc.poll() for proc in ranks), 300,
+                 "the late and skewed run")
+    finally:
+        for proc in ranks:
+            if proc.poll() is None:
+                proc.kill()
+    codes = [proc.wait() for proc in ranks]
     logs = [(out.parent / f"rank{rank}.log").read_text() for rank in (0, 1)]
-    return {"out": out, "codes": codes, "logs": logs, "skewed": found is not None}
+    return {"out": out, "codes": codes, "logs": logs, "skewed": found is not None,
+            "alone": {"code": lonely.wait(timeout=120), "log": (alone.parent / "rank0.log").read_text()}}
 
 
-def test_a_rank_that_joins_later_than_ddp_timeout_is_waited_for(late_and_skewed: dict, tiny_model: Path,
-                                                                 corpus: dict, tmp_path: Path) -> None:
+def test_a_rank_that_joins_later_than_ddp_timeout_is_waited_for(late_and_skewed: dict) -> None:
     """The late rank of the shared run: it trains, since the start waits --rendezvous_timeout; a rank that
     never comes is named with that flag once it has passed."""
     out = late_and_skewed["out"]
     assert late_and_skewed["codes"] == [0, 0], "\n".join(log[-2000:] for log in late_and_skewed["logs"])
     assert json.loads((out / "summary.json").read_text())["steps"] == 4
-
-    alone = tmp_path / "alone" / "run"
-    alone.parent.mkdir()
-    lonely = start_rank(0, free_port(), alone, [*tiny_args(tiny_model, corpus, alone, "--ddp_timeout", "2",
-                                                           "--rendezvous_timeout", "3")])
-    assert lonely.wait(timeout=120) == 1
-    said = (alone.parent / "rank0.log").read_text()
-    assert "not every process joined within 3 s (--rendezvous_timeout" in said, said[-2000:]
-
-
-def test_the_rank_under_faketime_can_sleep_as_libraries_do(faketime: str) -> None:
-    """libfaketime 0.9.10 with its monotonic clock left alone fails every time.sleep (EINVAL). The run
-    below hit it by chance in CI: datasets' file lock sleeps when the other rank holds the cache's lock.
-    The driver makes the faked rank's time.sleep a timed wait; this checks it, under a faked clock, the
-    way filelock calls it (time.sleep through the module)."""
-    code = "import time, tests.fault_driver; time.sleep(0.01); print('slept')"
-    done = subprocess.run([faketime, "-f", "+60s", sys.executable, "-c", code], cwd=REPO, capture_output=True,
-                          text=True, timeout=120, env={**os.environ, "FAKETIME_DONT_FAKE_MONOTONIC": "1"})
-    assert done.returncode == 0 and done.stdout.strip() == "slept", done.stderr[-2000:]
+    alone = late_and_skewed["alone"]
+    assert alone["code"] == 1, alone["log"][-2000:]
+    assert "not every process joined within 3 s (--rendezvous_timeout" in alone["log"], alone["log"][-2000:]
 
 
 def test_clocks_a_minute_apart_long_evaluations_and_a_finished_peer_raise_no_alarm(late_and_skewed: dict) -> None:
-    """The shared run is healthy: exit 0 on both, and no hang record."""
+    """The shared run is healthy: exit 0 on both, and no hang record. Its rank 1 slept its 10 s before the
+    preflight through the time module under libfaketime, as a library does (datasets' file lock sleeps when the
+    other rank holds the cache's lock): libfaketime 0.9.10 with its monotonic clock left alone fails every
+    time.sleep (EINVAL), and tests/fault_driver makes the faked rank's time.sleep a timed wait; without it rank 1
+    ends with exit 1 there."""
     if not late_and_skewed["skewed"]:
         pytest.skip(NO_FAKETIME)
     out, logs = late_and_skewed["out"], late_and_skewed["logs"]
@@ -437,6 +436,12 @@ class Broken:
     add = check = multi_get = get = set
 
 
+# the alive thread's period in the tests of the thread itself (no watchdog bound is judged there), and how long
+# its ticks may take to come: a tick that needs what a stuck write holds never comes
+TICK_S = 0.05
+TICKS_WITHIN_S = 30
+
+
 class Buggy(Broken):
     def set(self, key: str, value: str) -> None:
         raise TypeError("a bug of ours")
@@ -446,10 +451,10 @@ def test_the_alive_thread_survives_a_file_and_a_store_that_fail_and_says_which_o
     (tmp_path / "heartbeat").mkdir()
     (tmp_path / "heartbeat" / "rank-00000.json").symlink_to("/dev/full")  # every write: ENOSPC
     dog = Watchdog(Broken(), 0, 2, lambda _p: 60.0, lambda *_: None)
-    heart = heartbeat.Heartbeat(tmp_path, 0, 2, watch=dog)
+    heart = heartbeat.Heartbeat(tmp_path, 0, 2, watch=dog, every_s=TICK_S)
     heart.beat(1, "data", "the step's all-reduce")
-    time.sleep(3 * ALIVE_EVERY_S)
-    assert heart._thread.is_alive() and dog.ticks >= 3  # it went on ticking through both failures
+    wait_for(lambda: dog.ticks >= 3, TICKS_WITHIN_S, "3 ticks")  # it goes on ticking through both failures
+    assert heart._thread.is_alive()
     heart.close()
     err = capfd.readouterr().err
     assert err.count("cannot write the heartbeat file") == 1 and err.count("cannot reach the process group's") == 1
@@ -466,17 +471,15 @@ def test_publications_go_on_while_a_heartbeat_write_is_stuck_and_done_is_never_o
     could replace "done"."""
     server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     dog = Watchdog(server, 0, 2, lambda _p: 60.0, lambda *_: None, "mlm_ddp/x/")
-    heart = heartbeat.Heartbeat(tmp_path, 0, 2, watch=dog)
+    heart = heartbeat.Heartbeat(tmp_path, 0, 2, watch=dog, every_s=TICK_S)
     heart.beat(1, "data")
     with heart._lock:  # what a pwrite stuck on NFS does to the main thread's beat
         ticks = dog.ticks
-        time.sleep(3 * ALIVE_EVERY_S)
-        assert dog.ticks >= ticks + 2
+        wait_for(lambda: dog.ticks >= ticks + 2, TICKS_WITHIN_S, "2 ticks with the heartbeat's lock held")
     write, stuck = heart._write, threading.Event()
     heart._write = lambda: stuck.wait(60)  # every write of the file hangs, whichever thread makes it
     ticks = dog.ticks
-    time.sleep(3 * ALIVE_EVERY_S)
-    assert dog.ticks >= ticks + 2
+    wait_for(lambda: dog.ticks >= ticks + 2, TICKS_WITHIN_S, "2 ticks with every file write stuck")
     stuck.set()
     heart._write = write
     older = heart.current[0]

@@ -81,12 +81,14 @@ class Heartbeat:
     """This rank's heartbeat file. `beat(step, phase, collective)` costs one pwrite; `on_beat` is a
     test seam called after each beat (train.Hooks); `watch`: the watchdog, run by the alive thread. The
     parts of the loop that do a phase beat it themselves (`train.read_window`, `train.agree`,
-    `step.train_step`, `RunLog.maybe`, `Evaluator.maybe`, `Checkpointer.maybe`)."""
+    `step.train_step`, `RunLog.maybe`, `Evaluator.maybe`, `Checkpointer.maybe`). `every_s`: the alive
+    thread's period; the watchdog's bounds assume ALIVE_EVERY_S, so only a test of the thread itself sets it."""
 
     def __init__(self, output_dir: str | Path, rank: int, world: int,
                  on_beat: Callable[[Beat], None] | None = None, watch: Watcher | None = None,
-                 start: bool = True) -> None:
+                 start: bool = True, every_s: float = ALIVE_EVERY_S) -> None:
         self.output_dir, self.watch, self.on_beat = Path(output_dir), watch, on_beat
+        self.every_s = every_s
         self.rank, self.world = rank, world
         self._fd: int | None = None
         self._lock = threading.Lock()
@@ -168,11 +170,11 @@ class Heartbeat:
             self._say_once("watch", self._watch_failed(err))
 
     def _keep_alive(self) -> None:
-        """Every ALIVE_EVERY_S: the watchdog's tick (publish this rank's record, follow its wait). It never
+        """Every `every_s` (ALIVE_EVERY_S): the watchdog's tick (publish this rank's record, follow its wait). It never
         touches the heartbeat file: a write stuck on a network filesystem must not stop this rank's
         publications, or its peers would call it silent. Nothing it meets ends it, but the watchdog's own
         verdict (which ends the process)."""
-        while not self._closed.wait(ALIVE_EVERY_S):
+        while not self._closed.wait(self.every_s):
             mine, entered = self.current
             if self.watch is not None:
                 try:
