@@ -120,35 +120,6 @@ def test_bad_input_is_refused_before_submission(case: str, message: str, tiny_mo
         assert [p.name for p in (tmp_path / "jobs").iterdir()] == ["notes.txt"]
 
 
-@pytest.fixture(scope="module")
-def submitted(slurm: dict, tiny_model: Path, corpus: dict, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("submitit") / "run"
-    proc = submit(slurm, "--nodes", "2", "--partition", "test", "--wait", *job_args(tiny_model, corpus, out))
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert re.search(r"submitted job \d+ \(2 node\(s\)\)", proc.stdout) and "finished in" in proc.stdout
-    return out
-
-
-def test_two_nodes_train_the_local_curve(submitted: Path, tiny_model: Path, corpus: dict, tmp_path: Path) -> None:
-    log = "\n".join(p.read_text() for p in (submitted / "submitit").rglob("*_0_log.err"))
-    assert "topology: 2 process(es) on 2 node(s), DistributedType.MULTI_CPU, started by submitit (master n1:" in log
-    assert_matches_one_process(submitted, tiny_model, corpus, tmp_path, STEPS)
-
-
-def test_resubmitted_on_one_node_a_two_node_checkpoint_trains_the_same_losses(
-        slurm: dict, submitted: Path, tiny_model: Path, corpus: dict, tmp_path: Path) -> None:
-    out, half = tmp_path / "run", f"step-{STEPS // 2:07d}"
-    shutil.copytree(submitted / "checkpoints" / half, out / "checkpoints" / half)
-    proc = submit(slurm, "--nodes", "1", "--partition", "test", "--wait", *job_args(tiny_model, corpus, out),
-                  "--per_device_train_batch_size", "16")  # 2 nodes x 8 -> 1 node x 16: the global batch kept
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    log = "\n".join(p.read_text() for p in (out / "submitit").rglob("*_0_log.err"))
-    assert f"at step {STEPS // 2}, written by 2 process(es)" in log and "topology: 1 process(es) on 1 node(s)" in log
-    a, b = train_losses(submitted), train_losses(out)
-    assert sorted(b) == list(range(STEPS // 2 + 1, STEPS + 1))
-    assert max(abs(a[s] - b[s]) / a[s] for s in b) <= SAME_STEPS
-
-
 def task_logs(job_dir: Path, job: str) -> list[str]:
     return [p.read_text() for p in sorted((job_dir / job).glob("*_log.err"))]
 
@@ -158,7 +129,9 @@ def cancelled_then_preempted(slurm: dict, tiny_model: Path, corpus: dict,
                              tmp_path_factory: pytest.TempPathFactory) -> dict:
     """One run through both stops, in two jobs: the first job cancelled (scancel: SIGTERM to every task),
     then the same command again, with --wait, warned of a preemption (SIGUSR2) midway, requeued, and run to
-    the end. What each stop left is read before the next job can change it."""
+    the end. What each stop left is read before the next job can change it. The suite's one 2-node training run
+    through Submitit: its whole curve is the local one (test_two_nodes_train_the_local_curve), and the other
+    tests read its folder (a finished run, its 2-node checkpoints)."""
     out = tmp_path_factory.mktemp("stops") / "run"
     args = ["--nodes", "2", "--partition", "test", *job_args(tiny_model, corpus, out)]
     proc = submit(slurm, *args)
@@ -198,6 +171,17 @@ def cancelled_then_preempted(slurm: dict, tiny_model: Path, corpus: dict,
     return run
 
 
+def test_two_nodes_train_the_local_curve(cancelled_then_preempted: dict, tiny_model: Path, corpus: dict,
+                                        tmp_path: Path) -> None:
+    """Cancelled, resumed, preempted, requeued and resumed again, every step of the 2-node run is the step of
+    one local process with the same global batch: the group forms across the nodes, and each resume
+    continues exactly."""
+    run = cancelled_then_preempted
+    log = run["cancelled_logs"][0]
+    assert "topology: 2 process(es) on 2 node(s), DistributedType.MULTI_CPU, started by submitit (master n1:" in log
+    assert_matches_one_process(run["out"], tiny_model, corpus, tmp_path, STEPS)
+
+
 def test_scancel_saves_a_checkpoint_and_is_not_requeued(cancelled_then_preempted: dict) -> None:
     run = cancelled_then_preempted
     fields, logs = run["cancelled_fields"], run["cancelled_logs"]
@@ -220,8 +204,7 @@ def test_scancel_saves_a_checkpoint_and_is_not_requeued(cancelled_then_preempted
     assert run["cancelled_restarts"] == "0"  # and the cancelled job never came back meanwhile
 
 
-def test_preemption_saves_on_every_rank_requeues_and_resumes(cancelled_then_preempted: dict,
-                                                             submitted: Path) -> None:
+def test_preemption_saves_on_every_rank_requeues_and_resumes(cancelled_then_preempted: dict) -> None:
     """The second job of `cancelled_then_preempted`: it resumed from the cancel's checkpoint, and the
     preemption warning stops, saves, requeues and resumes it."""
     run = cancelled_then_preempted
@@ -241,12 +224,26 @@ def test_preemption_saves_on_every_rank_requeues_and_resumes(cancelled_then_pree
             - signalled).total_seconds()
     print(f"requeue: signal to resumed in {took:.0f} s")  # for the record: pytest -s
     assert [r["step"] for r in read_metrics(out) if "loss" in r] == list(range(1, STEPS + 1))
+
+
+def test_resubmitted_on_one_node_a_two_node_checkpoint_trains_the_same_losses(
+        slurm: dict, cancelled_then_preempted: dict, tiny_model: Path, corpus: dict, tmp_path: Path) -> None:
+    submitted = cancelled_then_preempted["out"]  # its whole curve is the local one (test_two_nodes_...)
+    out, half = tmp_path / "run", f"step-{STEPS // 2:07d}"
+    shutil.copytree(submitted / "checkpoints" / half, out / "checkpoints" / half)
+    proc = submit(slurm, "--nodes", "1", "--partition", "test", "--wait", *job_args(tiny_model, corpus, out),
+                  "--per_device_train_batch_size", "16")  # 2 nodes x 8 -> 1 node x 16: the global batch kept
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    log = "\n".join(p.read_text() for p in (out / "submitit").rglob("*_0_log.err"))
+    assert f"at step {STEPS // 2}, written by 2 process(es)" in log and "topology: 1 process(es) on 1 node(s)" in log
     a, b = train_losses(submitted), train_losses(out)
-    assert max(abs(a[s] - b[s]) / a[s] for s in a) <= SAME_STEPS
+    assert sorted(b) == list(range(STEPS // 2 + 1, STEPS + 1))
+    assert max(abs(a[s] - b[s]) / a[s] for s in b) <= SAME_STEPS
 
 
-def test_a_finished_run_submitted_again_is_a_success(slurm: dict, submitted: Path, tiny_model: Path,
+def test_a_finished_run_submitted_again_is_a_success(slurm: dict, cancelled_then_preempted: dict, tiny_model: Path,
                                                      corpus: dict) -> None:
+    submitted = cancelled_then_preempted["out"]
     before = (submitted / "metrics.jsonl").read_text()
     proc = submit(slurm, "--nodes", "2", "--partition", "test", "--wait", *job_args(tiny_model, corpus, submitted))
     assert proc.returncode == 0, proc.stdout + proc.stderr
