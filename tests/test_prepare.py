@@ -385,11 +385,13 @@ def test_a_task_killed_mid_write_is_redone_alone_and_the_result_is_unchanged(
     assert not (out / fmt.PARTS / "task-00001-of-00002").exists() and not (out / fmt.MANIFEST).exists()
     assert "no manifest.json" in refused(prepared_args(tiny_model, out, tmp_path / "refused"), capsys,
                                          tmp_path / "refused")
-    again = [run_prepare(task(number)) for number in (0, 1)]  # the same command, for every task
-    assert all(p.returncode == 0 for p in again), [p.stderr[-2000:] for p in again]
-    assert "task 0 of 2: already complete" in again[0].stderr
+    again = []  # the same command, for every task: its exit code and what it said
+    for number in (0, 1):
+        again.append((prep.main(task(number)), capsys.readouterr().err))
+    assert [code for code, _ in again] == [0, 0], again
+    assert "task 0 of 2: already complete" in again[0][1]
     assert {p: p.stat().st_mtime_ns for p in (out / fmt.PARTS / "task-00000-of-00002").iterdir()} == done
-    assert "task 1 of 2: 1 file(s)" in again[1].stderr
+    assert "task 1 of 2: 1 file(s)" in again[1][1]
     assert blocks(out) == blocks(straight)
     assert sorted(p.name for p in (out / fmt.PARTS).iterdir()) == ["task-00000-of-00002", "task-00001-of-00002"]
 
@@ -469,7 +471,8 @@ def test_a_bad_input_file_stops_prepare_with_one_line_and_no_part(kind: str, wor
 
 
 def test_a_disk_that_fills_stops_prepare_with_one_line_and_a_rerun_finishes(tiny_model: Path, texts: dict,
-                                                                            one_worker: Path, tmp_path: Path) -> None:
+                                                                            one_worker: Path, tmp_path: Path,
+                                                                            capsys: pytest.CaptureFixture) -> None:
     flags = ("--validation_file", str(texts["valid"]))
     small = tmp_path / "small"
     with full_disk(small) as limit:
@@ -480,8 +483,7 @@ def test_a_disk_that_fills_stops_prepare_with_one_line_and_a_rerun_finishes(tiny
         assert not list((small / "out").rglob(fmt.MARKER)) and not (small / "out" / fmt.MANIFEST).exists()
         leftover = tmp_path / "moved"
         shutil.copytree(small / "out", leftover)  # the same folder, on a disk with room
-    proc = run_prepare(prepare_args(tiny_model, texts["corpus"], leftover, *flags))
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert prep.main(prepare_args(tiny_model, texts["corpus"], leftover, *flags)) == 0, capsys.readouterr().err
     assert blocks(leftover) == blocks(one_worker)
 
 
