@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from datasets import Dataset
 
+from mlm_ddp.prepare import main as prepare_main
 from tests.conftest import REPO, corpus_paragraphs, run_module
 from tests.test_slurm import ENDED, job_state
 
@@ -63,8 +64,7 @@ def shard_counts(folder: Path) -> tuple[dict, list[tuple]]:
 def local(tiny_model: Path, texts: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
     """One task, one worker, here: the reference."""
     out = tmp_path_factory.mktemp("prepare_local") / "prepared"
-    proc = run_module(["mlm_ddp.prepare", *flags(tiny_model, texts, out), "--num_workers", "1"], timeout=300)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert prepare_main([*flags(tiny_model, texts, out), "--num_workers", "1"]) == 0
     found = blocks(out)
     # what makes the comparisons worth something: both splits hold blocks, a.txt spans several chunks
     assert len(found["train"]) > 2000 and len(found["eval"]) > 50, {s: len(b) for s, b in found.items()}

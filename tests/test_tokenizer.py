@@ -3,6 +3,8 @@ AutoTokenizer, whole-word masking and `mlm_ddp.train`, the same every time for t
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import re
 import shutil
@@ -12,7 +14,7 @@ import numpy as np
 import pytest
 
 from mlm_ddp.tokenizer import main
-from tests.conftest import run_module, tiny_args
+from tests.conftest import tiny_args
 
 VOCAB = 800
 
@@ -23,12 +25,14 @@ def train_into(out: Path, *flags: str) -> None:
 
 @pytest.fixture(scope="module")
 def trained(corpus: dict, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
-    """A tokenizer made by the real command line; its folder and the command's stdout."""
+    """A tokenizer made by the command's main (its `python -m` entry answers --help: tests/test_layout.py); its
+    folder and the command's stdout."""
     out = tmp_path_factory.mktemp("tokenizer") / "tok"
-    proc = run_module(["mlm_ddp.tokenizer", "--train_file", str(corpus["train"]), "--vocab_size", str(VOCAB),
-                       "--output_dir", str(out)])
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return out, proc.stdout
+    said = io.StringIO()
+    with contextlib.redirect_stdout(said):
+        code = main(["--train_file", str(corpus["train"]), "--vocab_size", str(VOCAB), "--output_dir", str(out)])
+    assert code == 0, said.getvalue()[-3000:]
+    return out, said.getvalue()
 
 
 def word_groups(maskable: np.ndarray, continues: np.ndarray) -> list[list[int]]:
