@@ -40,10 +40,10 @@ def accelerate_launch(args: list[str], restarts: int, log: Path) -> int:
                               stderr=subprocess.STDOUT, timeout=600).returncode
 
 
-def two_nodes(args: list[str], logs: Path, env: dict[str, str] | None = None) -> list[int]:
-    """Two torchrun agents, one worker each (`--nnodes 2`, c10d rendezvous, one restart allowed); their
-    exit codes. Their logs: logs/node-0.log and node-1.log."""
-    port, codes = free_port(), []
+def two_nodes(args: list[str], logs: Path, env: dict[str, str] | None = None) -> list[subprocess.Popen]:
+    """Two torchrun agents, one worker each (`--nnodes 2`, c10d rendezvous, one restart allowed), started.
+    Their logs: logs/node-0.log and node-1.log."""
+    port = free_port()
     agents = []
     for node in range(2):
         log = open(logs / f"node-{node}.log", "w")  # noqa: SIM115 - closed with the process
@@ -52,9 +52,15 @@ def two_nodes(args: list[str], logs: Path, env: dict[str, str] | None = None) ->
              "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{port}", "--rdzv_id", "two-nodes",
              "--max_restarts", "1", "-m", "tests.fault_driver", *args],
             cwd=REPO, env={**ENV, **(env or {})}, stdout=log, stderr=subprocess.STDOUT))
+    return agents
+
+
+def exit_codes(agents: list[subprocess.Popen], timeout: float = 300) -> list[int]:
+    """Each agent's exit code; -1 for one still running after `timeout` s (from now), which is killed."""
+    deadline, codes = time.monotonic() + timeout, []
     for agent in agents:
         try:
-            codes.append(agent.wait(timeout=300))
+            codes.append(agent.wait(timeout=max(1.0, deadline - time.monotonic())))
         except subprocess.TimeoutExpired:
             agent.kill()
             codes.append(-1)
@@ -94,16 +100,29 @@ def rounds(log: str) -> list[int]:
 # certain. Rank 0's worker, the one that writes the run's files, is killed with a store per start, which that
 # worker hosts: the store dies with it. A rank-0 kill on the shared store adds nothing: no assertion below
 # depends on the killed rank or the store mode, and a shared store outlives every worker (an agent hosts it).
-@pytest.mark.parametrize(("killed", "late", "shared"), [(1, 0, True), (0, 1, False)],
-                         ids=["rank-1-killed-rank-0-late", "rank-0-killed-store-per-start"])
+KILLED_JOBS = {"rank-1-killed-rank-0-late": (1, 0, True), "rank-0-killed-store-per-start": (0, 1, False)}
+
+
+@pytest.fixture(scope="module")
+def killed_jobs(tiny_model: Path, corpus: dict, tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
+    """Both jobs at once (each mostly waits: for its late worker, for the agents to see the kill): id -> its
+    output folder, its agents' exit codes and logs."""
+    started = {}
+    for job, (killed, late, shared) in KILLED_JOBS.items():
+        logs = tmp_path_factory.mktemp(job)
+        out = logs / "run"
+        faults = ["--kill", f"{killed}:{KILLED}", "--late", f"{late}:12"]
+        env = {} if shared else {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+        started[job] = (out, logs, two_nodes([*faults, *run_args(tiny_model, corpus, out)], logs, env))
+    return {job: {"out": out, "codes": exit_codes(agents), "late": KILLED_JOBS[job][1],
+                  "logs": [(logs / f"node-{node}.log").read_text() for node in range(2)]}
+            for job, (out, logs, agents) in started.items()}
+
+
+@pytest.mark.parametrize("job", KILLED_JOBS)
 def test_a_worker_killed_on_either_node_restarts_both_and_the_job_ends_with_the_uninterrupted_losses(
-        killed: int, late: int, shared: bool, straight: Path, tiny_model: Path, corpus: dict,
-        tmp_path: Path) -> None:
-    out = tmp_path / "run"
-    faults = ["--kill", f"{killed}:{KILLED}", "--late", f"{late}:12"]
-    env = {} if shared else {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-    codes = two_nodes([*faults, *run_args(tiny_model, corpus, out)], tmp_path, env)
-    logs = [(tmp_path / f"node-{node}.log").read_text() for node in range(2)]
+        job: str, killed_jobs: dict[str, dict], straight: Path) -> None:
+    out, codes, logs, late = (killed_jobs[job][key] for key in ("out", "codes", "logs", "late"))
     assert codes == [0, 0], "\n=====\n".join(log[-3000:] for log in logs)
     said = "\n".join(logs)
     assert f"resumed from {out / 'checkpoints' / f'step-{SAVED:07d}'} at step {SAVED}" in said, said[-4000:]
