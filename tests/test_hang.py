@@ -127,14 +127,6 @@ NO_FAKETIME = "faketime (Debian's package faketime) is not installed and install
 
 
 @pytest.fixture(scope="module")
-def faketime() -> str:
-    found = find_faketime()
-    if found is None:
-        pytest.skip(NO_FAKETIME)
-    return found
-
-
-@pytest.fixture(scope="module")
 def late_and_skewed(tiny_model: Path, corpus: dict, tmp_path_factory: pytest.TempPathFactory) -> dict:
     """One healthy 2-process run that meets four things a cluster does, each longer than --ddp_timeout (5 s)
     or --save_timeout (5 s): rank 1 reaches the join 10 s after rank 0 (it sleeps before its preflight, as a
