@@ -198,6 +198,7 @@ def test_scancel_saves_a_checkpoint_and_is_not_requeued(cancelled_then_preempted
     # the same command again continues from that checkpoint and finishes
     assert run["wait"] == 0, run["wait_out"] + run["wait_err"]
     assert f": {STEPS} steps" in run["wait_out"]
+    assert re.search(r"submitted job \d+ \(2 node\(s\)\)", run["wait_out"]) and "finished in" in run["wait_out"]
     assert re.search(r"resumed from .*step-0*" + stopped[0] + r"\b",
                      task_logs(run["out"] / "submitit", run["preempted"])[0])
     assert [r["step"] for r in read_metrics(run["out"]) if "loss" in r] == list(range(1, STEPS + 1))
