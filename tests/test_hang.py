@@ -25,6 +25,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 
@@ -56,9 +57,11 @@ def start_rank(rank: int, port: int, out: Path, args: list[str], wrap: list[str]
 
 
 @pytest.fixture(scope="module")
-def frozen_runs(tiny_model: Path, corpus: dict, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+def frozen_runs(late_and_skewed_started: dict, tiny_model: Path, corpus: dict,
+                tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Phase -> the output folder of a 2-process run whose rank 1 froze there in step 3 ("stuck": stayed
-    alive in the data phase); all at once (they mostly wait)."""
+    alive in the data phase); all at once (they mostly wait), and beside the late and skewed run, which
+    starts first (its fixture is asked for only so that it does)."""
     runs, procs = {}, {}
     for phase in [*PHASES, "stuck"]:
         out = tmp_path_factory.mktemp(phase.replace("/", "-")) / "run"
@@ -127,7 +130,8 @@ NO_FAKETIME = "faketime (Debian's package faketime) is not installed and install
 
 
 @pytest.fixture(scope="module")
-def late_and_skewed(tiny_model: Path, corpus: dict, tmp_path_factory: pytest.TempPathFactory) -> dict:
+def late_and_skewed_started(tiny_model: Path, corpus: dict, tmp_path_factory: pytest.TempPathFactory
+                            ) -> Iterator[dict]:
     """One healthy 2-process run that meets four things a cluster does, each longer than --ddp_timeout (5 s)
     or --save_timeout (5 s): rank 1 reaches the join 10 s after rank 0 (it sleeps before its preflight, as a
     node that imports from a slow shared filesystem or converts a large raw corpus to Arrow before it
@@ -135,7 +139,8 @@ def late_and_skewed(tiny_model: Path, corpus: dict, tmp_path_factory: pytest.Tem
     reduce; rank 1's wall clock is 60 s ahead of rank 0's (libfaketime; its monotonic clock is left alone,
     as a host's own: libfaketime 0.9.10's faked one stalls timed waits of threads); rank 0 spends 9 s in its
     final phase after rank 1 finished. Without faketime the run keeps the rest, and the clock's test skips.
-    Beside it, at the same time (all three mostly wait): one rank of a 2-process job whose peer never comes."""
+    Beside it, at the same time (all three mostly wait): one rank of a 2-process job whose peer never comes.
+    Started here, waited for by late_and_skewed, so that the frozen runs wait at the same time."""
     found = find_faketime()
     out = tmp_path_factory.mktemp("late_and_skewed") / "run"
     args = tiny_args(tiny_model, corpus, out, "--max_train_steps", "4", "--eval_steps", "2", "--max_eval_samples",
@@ -147,6 +152,19 @@ def late_and_skewed(tiny_model: Path, corpus: dict, tmp_path_factory: pytest.Tem
     alone = tmp_path_factory.mktemp("alone") / "run"
     lonely = start_rank(0, free_port(), alone, [*tiny_args(tiny_model, corpus, alone, "--ddp_timeout", "2",
                                                            "--rendezvous_timeout", "3")])
+    try:
+        yield {"out": out, "ranks": ranks, "skewed": found is not None, "alone": alone, "lonely": lonely}
+    finally:
+        for proc in [*ranks, lonely]:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+@pytest.fixture(scope="module")
+def late_and_skewed(late_and_skewed_started: dict) -> dict:
+    started = late_and_skewed_started
+    out, ranks, alone = started["out"], started["ranks"], started["alone"]
     try:  # a rank that fails leaves its peer waiting in the join for --rendezvous_timeout: stop it then
         wait_for(lambda: all(proc.poll() is not None for proc in ranks) or any(proc.poll() for proc in ranks), 300,
                  "the late and skewed run")
@@ -156,8 +174,8 @@ def late_and_skewed(tiny_model: Path, corpus: dict, tmp_path_factory: pytest.Tem
                 proc.kill()
     codes = [proc.wait() for proc in ranks]
     logs = [(out.parent / f"rank{rank}.log").read_text() for rank in (0, 1)]
-    return {"out": out, "codes": codes, "logs": logs, "skewed": found is not None,
-            "alone": {"code": lonely.wait(timeout=120), "log": (alone.parent / "rank0.log").read_text()}}
+    return {"out": out, "codes": codes, "logs": logs, "skewed": started["skewed"],
+            "alone": {"code": started["lonely"].wait(timeout=120), "log": (alone.parent / "rank0.log").read_text()}}
 
 
 def test_a_rank_that_joins_later_than_ddp_timeout_is_waited_for(late_and_skewed: dict) -> None:
