@@ -13,6 +13,8 @@ import os
 import pickle
 import shutil
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -28,6 +30,7 @@ from tests.conftest import (
     CONFIGS,
     LAUNCH,
     NO_DROPOUT,
+    REPO,
     SAME_STEPS,
     free_port,
     last_step,
@@ -342,22 +345,48 @@ def test_bf16_trains_within_bf16_rounding_of_fp32(config: str, runs: dict, fresh
         assert {t.dtype for t in load_file(str(saved / "model.safetensors")).values()} == {torch.float32}
 
 
-@pytest.mark.parametrize(("save_timeout", "finishes"), [(60, True), (3, False)])
+SLOW_SAVES = [(60, True), (3, False)]  # (--save_timeout, whether the run finishes)
+
+
+@pytest.fixture(scope="module")
+def slow_saves(tiny_fresh_head: Path, corpus: dict, tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict]:
+    """--save_timeout -> the exit, log and output folder of its run in the test below; both at once (they
+    mostly wait on rank 1's injected 8 s)."""
+    root = tmp_path_factory.mktemp("slow_saves")
+    runs = {}
+    for save_timeout, finishes in SLOW_SAVES:
+        out, log = root / str(save_timeout) / "run", root / f"{save_timeout}.log"
+        final = ["--slow_state_dict", "1:8"] if finishes else []
+        args = launch("fsdp.yaml", tiny_fresh_head, corpus, out, "--max_train_steps", "2", "--checkpointing_steps",
+                      "2", "--ddp_timeout", "3", "--save_timeout", str(save_timeout),
+                      module=("tests.fault_driver", "--slow_shard_write", "1:8", *final))
+        with log.open("w") as sink:  # a file, not a pipe: neither run blocks on output nobody reads yet
+            proc = subprocess.Popen([sys.executable, "-m", *args], cwd=REPO, stdout=sink, stderr=subprocess.STDOUT,
+                                    env={**os.environ, "PYTHONUNBUFFERED": "1", **FSDP_ENV})
+        runs[save_timeout] = {"proc": proc, "out": out, "log": log}
+    try:
+        for run in runs.values():
+            run["code"] = run["proc"].wait(timeout=300)
+    finally:
+        for run in runs.values():
+            if run["proc"].poll() is None:
+                run["proc"].kill()
+                run["proc"].wait()
+    return {t: {"code": r["code"], "out": r["out"], "log": r["log"].read_text()} for t, r in runs.items()}
+
+
+@pytest.mark.parametrize(("save_timeout", "finishes"), SLOW_SAVES)
 def test_a_slow_shard_write_and_a_slow_final_gather_wait_for_save_timeout_not_ddp_timeout(
-        save_timeout: int, finishes: bool, tiny_fresh_head: Path, corpus: dict, tmp_path: Path) -> None:
+        save_timeout: int, finishes: bool, slow_saves: dict[int, dict]) -> None:
     """Rank 1 writes its shards 8 s late; rank 0 waits in the sharded save's collectives on the training
     group, whose --ddp_timeout is 3 s. With --save_timeout 60 the save waits (without mlm_ddp's
     patient_collectives it fails after 3 s, tried by hand); --save_timeout 3 still bounds it. The run that
     finishes also has rank 1 gather final/'s state dict 8 s late: final/'s FSDP gather runs on the training
     group and waits --save_timeout as a save does (at --ddp_timeout this run would fail 3 s into its final
     phase); one run checks both, a launch fewer than a run of its own."""
-    out = tmp_path / "run"
-    final = ["--slow_state_dict", "1:8"] if finishes else []
-    proc = run_module(launch("fsdp.yaml", tiny_fresh_head, corpus, out, "--max_train_steps", "2",
-                             "--checkpointing_steps", "2", "--ddp_timeout", "3", "--save_timeout", str(save_timeout),
-                             module=("tests.fault_driver", "--slow_shard_write", "1:8", *final)), env=FSDP_ENV,
-                      timeout=300)
-    assert (proc.returncode == 0) == finishes, proc.stderr[-3000:]
+    run = slow_saves[save_timeout]
+    out = run["out"]
+    assert (run["code"] == 0) == finishes, run["log"][-3000:]
     assert (out / "checkpoints" / "step-0000002" / ckpt.MARKER).exists() == finishes
     assert (out / "final" / "model.safetensors").exists() == finishes
 
