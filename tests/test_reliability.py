@@ -164,35 +164,72 @@ def test_a_second_signal_during_the_save_changes_nothing(tiny_model: Path, corpu
 # --- a dead rank -----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("fault", ["SIGKILL", "SIGSTOP"])
-def test_when_a_rank_dies_or_hangs_the_others_exit_promptly_and_the_lost_rank_is_named(
-        fault: str, tiny_model: Path, corpus: dict, tmp_path: Path) -> None:
-    # two "machines", i.e. two separate launchers: no agent stops the survivor, only the broken
-    # connection (SIGKILL) or --ddp_timeout (SIGSTOP: the peer hangs, its sockets stay open)
-    out, port = tmp_path / "run", str(free_port())
+def two_machines(tiny_model: Path, corpus: dict, out: Path) -> list[subprocess.Popen]:
+    """Two "machines", i.e. two separate launchers of one process each: no agent stops the survivor, only
+    the broken connection (SIGKILL) or --ddp_timeout (SIGSTOP: the peer hangs, its sockets stay open).
+    Their output: out.parent / machine<R>.log."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    port = str(free_port())
     args = tiny_args(tiny_model, corpus, out, "--max_train_steps", "100000", "--ddp_timeout", "20",
                      "--per_device_train_batch_size", "4")
-    machines = [popen([*LAUNCH, "--multi_gpu", "--num_machines", "2", "--machine_rank", str(rank), "--num_processes",
-                       "2", "--num_cpu_threads_per_process", "1", "--main_process_ip", "127.0.0.1",
-                       "--main_process_port", port, "--rdzv_backend", "static", "-m", "mlm_ddp.train", *args],
-                      env={"ACCELERATE_USE_CPU": "true"}) for rank in (0, 1)]
-    victim: dict[int, int] = {}
+    machines = []
+    for rank in (0, 1):
+        log = open(out.parent / f"machine{rank}.log", "w")  # noqa: SIM115 - closed with the process
+        machines.append(subprocess.Popen(
+            [sys.executable, "-m", *LAUNCH, "--multi_gpu", "--num_machines", "2", "--machine_rank", str(rank),
+             "--num_processes", "2", "--num_cpu_threads_per_process", "1", "--main_process_ip", "127.0.0.1",
+             "--main_process_port", port, "--rdzv_backend", "static", "-m", "mlm_ddp.train", *args],
+            cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1", "ACCELERATE_USE_CPU": "true"}, stdout=log,
+            stderr=subprocess.STDOUT))
+        log.close()
+    return machines
+
+
+@pytest.fixture(scope="module")
+def lost_ranks(tiny_model: Path, corpus: dict, tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
+    """fault -> what the survivor of a 2-machine run did once rank 1 got that signal at step 3 or later: its
+    exit code, its output, the seconds from the signal to its exit, and the victim's rank -> pid. The hung
+    rank's survivor waits out --ddp_timeout (20 s), mostly idle; the dead rank's run starts then and runs in
+    that wait."""
+    runs = {fault: tmp_path_factory.mktemp(fault) / "run" for fault in ("SIGSTOP", "SIGKILL")}
+    machines: dict[str, list[subprocess.Popen]] = {}
+    victims: dict[str, dict[int, int]] = {}
+    signalled: dict[str, float] = {}
+    lost: dict[str, dict] = {}
     try:
-        wait_for(lambda: last_step(out) >= 3, 120, "step 3")
-        victim = workers_of(machines[1].pid)
-        assert list(victim) == [1], victim
-        os.kill(victim[1], getattr(signal, fault))
-        started = time.monotonic()
-        survivor_output, _ = machines[0].communicate(timeout=150)
-        took = time.monotonic() - started
+        for fault, out in runs.items():
+            machines[fault] = two_machines(tiny_model, corpus, out)
+            wait_for(lambda out=out: last_step(out) >= 3, 120, f"step 3 of the {fault} run")
+            victims[fault] = workers_of(machines[fault][1].pid)
+            assert list(victims[fault]) == [1], victims[fault]
+            os.kill(victims[fault][1], getattr(signal, fault))
+            signalled[fault] = time.monotonic()
+        while len(lost) < len(runs):  # each survivor's exit, seen within 0.1 s of it
+            assert time.monotonic() - min(signalled.values()) < 150, f"a survivor still runs: {lost}"
+            for fault, out in runs.items():
+                if fault not in lost and machines[fault][0].poll() is not None:
+                    lost[fault] = {"exit": machines[fault][0].returncode, "victim": victims[fault],
+                                   "took": time.monotonic() - signalled[fault],
+                                   "output": (out.parent / "machine0.log").read_text()}
+            time.sleep(0.1)
     finally:
-        if fault == "SIGSTOP" and 1 in victim:
-            os.kill(victim[1], signal.SIGKILL)
-        for m in machines:
-            m.kill()
-            m.communicate()
-    print(f"{fault}: the survivor exited {took:.1f} s later")  # for the record: pytest -s
-    assert machines[0].returncode != 0 and took < 120
+        for fault in machines:
+            if fault == "SIGSTOP" and 1 in victims.get(fault, {}):
+                os.kill(victims[fault][1], signal.SIGKILL)
+            for machine in machines[fault]:
+                machine.kill()
+                machine.wait()
+    return lost
+
+
+@pytest.mark.parametrize("fault", ["SIGKILL", "SIGSTOP"])
+def test_when_a_rank_dies_or_hangs_the_others_exit_promptly_and_the_lost_rank_is_named(
+        fault: str, lost_ranks: dict[str, dict]) -> None:
+    lost = lost_ranks[fault]
+    survivor_output = lost["output"]
+    print(f"{fault}: the survivor exited {lost['took']:.1f} s later")  # for the record: pytest -s
+    assert list(lost["victim"]) == [1], lost["victim"]
+    assert lost["exit"] != 0 and lost["took"] < 120
     assert "rank 0 lost contact with the other process(es)" in survivor_output, survivor_output[-3000:]
     assert "rank 1" in survivor_output.split("lost contact", 1)[1][:400]
 
