@@ -23,6 +23,7 @@ import re
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -89,10 +90,22 @@ def logs_of(folder: Path) -> dict[str, str]:
     return {name: (folder / f"{name}.log").read_text() for name in "ABC"}
 
 
-def test_a_newcomer_that_becomes_rank_0_resumes_the_job_with_a_store_per_start(
-        tiny_model: Path, corpus: dict, tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def ranges(tiny_model: Path, corpus: dict, tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
+    """SETTING's value ("1", "0") -> the three agents' run with it: its folder (the logs, and run/ the output),
+    exit codes and wall time. Both at once: their agents mostly wait (for a beat, a round, a lost node)."""
+    folders = {value: tmp_path_factory.mktemp(f"range-{value}") for value in ("1", "0")}
+    with ThreadPoolExecutor(max_workers=len(folders)) as pool:
+        runs = {value: pool.submit(three_nodes, run_args(tiny_model, corpus, folder / "run"), folder,
+                                   {SETTING: value})  # "0": whatever the shell says
+                for value, folder in folders.items()}
+        return {value: {"folder": folders[value], **dict(zip(("codes", "took"), run.result(), strict=True))}
+                for value, run in runs.items()}
+
+
+def test_a_newcomer_that_becomes_rank_0_resumes_the_job_with_a_store_per_start(ranges: dict[str, dict]) -> None:
+    tmp_path, codes, took = ranges["1"]["folder"], ranges["1"]["codes"], ranges["1"]["took"]
     out = tmp_path / "run"
-    codes, took = three_nodes(run_args(tiny_model, corpus, out), tmp_path, {SETTING: "1"})
     said = logs_of(tmp_path)
     print(f"three agents, {SETTING}=1: exit codes {codes} after {took:.0f} s")
     assert codes == {"A": -9, "B": 0, "C": 0}, "\n=====\n".join(log[-3000:] for log in said.values())
@@ -107,11 +120,9 @@ def test_a_newcomer_that_becomes_rank_0_resumes_the_job_with_a_store_per_start(
     assert both and max(abs(got[s] - first[s]) / first[s] for s in both) <= SAME_STEPS, (first, got)
 
 
-def test_without_the_setting_the_split_store_is_said_as_such_naming_the_setting(
-        tiny_model: Path, corpus: dict, tmp_path: Path) -> None:
-    out = tmp_path / "run"
-    codes, took = three_nodes(run_args(tiny_model, corpus, out), tmp_path, {SETTING: "0"})  # whatever the shell says
-    said = logs_of(tmp_path)
+def test_without_the_setting_the_split_store_is_said_as_such_naming_the_setting(ranges: dict[str, dict]) -> None:
+    codes, took = ranges["0"]["codes"], ranges["0"]["took"]
+    said = logs_of(ranges["0"]["folder"])
     print(f"three agents, shared store: exit codes {codes} after {took:.0f} s")
     everything = "\n=====\n".join(log[-3000:] for log in said.values())
     assert codes["A"] == -9 and codes["B"] != 0 and codes["C"] != 0, everything
