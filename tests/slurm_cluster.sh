@@ -74,8 +74,8 @@ SelectTypeParameters=CR_CPU
 MpiDefault=none
 JobRequeue=1
 ReturnToService=2
-# a requeued job may start once its credential expired: 10 s instead of 120 s
-AuthInfo=cred_expire=10
+# a requeued job may start once its credential expired: 5 s instead of 120 s
+AuthInfo=cred_expire=5
 # pending and requeued jobs start within seconds
 SchedulerParameters=bf_interval=1,sched_interval=2
 AccountingStorageType=accounting_storage/none
