@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import IO
 
 import pytest
 import torch
@@ -43,9 +44,9 @@ def snapshot(root: Path) -> dict[str, str]:
             for p in sorted(root.rglob("*")) if p.is_file()}
 
 
-def popen(args: list[str], env: dict | None = None) -> subprocess.Popen:
+def popen(args: list[str], env: dict | None = None, stdout: int | IO[str] = subprocess.PIPE) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", *args], cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1",
-                            **(env or {})}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            **(env or {})}, stdout=stdout, stderr=subprocess.STDOUT, text=True)
 
 
 TRAINING_MODULES = ("mlm_ddp.train", "tests.fault_driver")  # what a worker process runs
@@ -172,25 +173,22 @@ def two_machines(tiny_model: Path, corpus: dict, out: Path) -> list[subprocess.P
     port = str(free_port())
     args = tiny_args(tiny_model, corpus, out, "--max_train_steps", "100000", "--ddp_timeout", "20",
                      "--per_device_train_batch_size", "4")
-    machines = []
+    machines: list[subprocess.Popen] = []
     for rank in (0, 1):
-        log = open(out.parent / f"machine{rank}.log", "w")  # noqa: SIM115 - closed with the process
-        machines.append(subprocess.Popen(
-            [sys.executable, "-m", *LAUNCH, "--multi_gpu", "--num_machines", "2", "--machine_rank", str(rank),
-             "--num_processes", "2", "--num_cpu_threads_per_process", "1", "--main_process_ip", "127.0.0.1",
-             "--main_process_port", port, "--rdzv_backend", "static", "-m", "mlm_ddp.train", *args],
-            cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1", "ACCELERATE_USE_CPU": "true"}, stdout=log,
-            stderr=subprocess.STDOUT))
-        log.close()
+        with open(out.parent / f"machine{rank}.log", "w") as log:  # a file: nobody reads a waiting run's pipe
+            machines.append(popen([*LAUNCH, "--multi_gpu", "--num_machines", "2", "--machine_rank", str(rank),
+                                   "--num_processes", "2", "--num_cpu_threads_per_process", "1", "--main_process_ip",
+                                   "127.0.0.1", "--main_process_port", port, "--rdzv_backend", "static", "-m",
+                                   "mlm_ddp.train", *args], env={"ACCELERATE_USE_CPU": "true"}, stdout=log))
     return machines
 
 
 @pytest.fixture(scope="module")
 def lost_ranks(tiny_model: Path, corpus: dict, tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     """fault -> what the survivor of a 2-machine run did once rank 1 got that signal at step 3 or later: its
-    exit code, its output, the seconds from the signal to its exit, and the victim's rank -> pid. The hung
-    rank's survivor waits out --ddp_timeout (20 s), mostly idle; the dead rank's run starts then and runs in
-    that wait."""
+    exit code, its output and the seconds from the signal to its exit (the signalled process is checked to be
+    rank 1's one worker first). The hung rank's survivor waits out --ddp_timeout (20 s), mostly idle; the dead
+    rank's run starts then and runs in that wait."""
     runs = {fault: tmp_path_factory.mktemp(fault) / "run" for fault in ("SIGSTOP", "SIGKILL")}
     machines: dict[str, list[subprocess.Popen]] = {}
     victims: dict[str, dict[int, int]] = {}
@@ -208,8 +206,7 @@ def lost_ranks(tiny_model: Path, corpus: dict, tmp_path_factory: pytest.TempPath
             assert time.monotonic() - min(signalled.values()) < 150, f"a survivor still runs: {lost}"
             for fault, out in runs.items():
                 if fault not in lost and machines[fault][0].poll() is not None:
-                    lost[fault] = {"exit": machines[fault][0].returncode, "victim": victims[fault],
-                                   "took": time.monotonic() - signalled[fault],
+                    lost[fault] = {"exit": machines[fault][0].returncode, "took": time.monotonic() - signalled[fault],
                                    "output": (out.parent / "machine0.log").read_text()}
             time.sleep(0.1)
     finally:
@@ -228,7 +225,6 @@ def test_when_a_rank_dies_or_hangs_the_others_exit_promptly_and_the_lost_rank_is
     lost = lost_ranks[fault]
     survivor_output = lost["output"]
     print(f"{fault}: the survivor exited {lost['took']:.1f} s later")  # for the record: pytest -s
-    assert list(lost["victim"]) == [1], lost["victim"]
     assert lost["exit"] != 0 and lost["took"] < 120
     assert "rank 0 lost contact with the other process(es)" in survivor_output, survivor_output[-3000:]
     assert "rank 1" in survivor_output.split("lost contact", 1)[1][:400]
